@@ -1,0 +1,95 @@
+"""Checkpoint directories: ``config.json`` (model class + hyperparameters) + ``model.safetensors``.
+
+Plain weights, loadable without Ray or DeepSpeed::
+
+    save_model(model, "W/checkpoints/ck-qti")
+    model = load_model("W/checkpoints/ck-qti")
+
+A model is saveable when it has a dataclass ``config`` attribute and ``__init__(config)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckray.errors import MissingArtifactError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _class_path(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def save_model(model: torch.nn.Module, path: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Write the checkpoint atomically (temporary directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    payload = {
+        "model_class": _class_path(model),
+        "config_class": _class_path(config),
+        "config": dataclasses.asdict(config),
+        **(extra or {}),
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    (tmp / CONFIG_FILE).write_text(json.dumps(payload, indent=2))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    save_file(_untie(state), str(tmp / WEIGHTS_FILE))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage; clone tensors that alias another."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def read_checkpoint_config(path: str | os.PathLike) -> dict:
+    cfg = Path(path) / CONFIG_FILE
+    if not cfg.exists():
+        raise MissingArtifactError(
+            f"no checkpoint at {path}: {CONFIG_FILE} is missing (train one with jobs/train_*.py)")
+    return json.loads(cfg.read_text())
+
+
+def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> torch.nn.Module:
+    """Rebuild the model from ``config.json`` and load ``model.safetensors`` into it."""
+    payload = read_checkpoint_config(path)
+    weights = Path(path) / WEIGHTS_FILE
+    if not weights.exists():
+        raise MissingArtifactError(f"checkpoint {path} has no {WEIGHTS_FILE}; it is half-written, re-train")
+    config = _import(payload["config_class"])(**payload["config"])
+    model = _import(payload["model_class"])(config)
+    state = load_file(str(weights), device=str(map_location))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m not in getattr(model, "_non_persistent_ok", ())]
+    if missing or unexpected:
+        raise MissingArtifactError(f"checkpoint {path} does not match {payload['model_class']}: "
+                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.eval()
+    return model

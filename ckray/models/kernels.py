@@ -1,0 +1,53 @@
+"""RBF kernel pooling shared by CK (implicit match) and CEDR-KNRM.
+
+K-NRM (Xiong et al. 2017), Eq. 3-4: for a cosine-similarity matrix ``M[q, d]``
+    K_k(M_q) = Σ_d exp(-(M_qd - μ_k)² / (2σ_k²))          (soft term frequency per kernel)
+    φ(M)     = Σ_q log K(M_q)                              (log-sum over query terms)
+Padding positions contribute nothing: their kernel values are multiplied by the document mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def kernel_centres(n_kernels: int = 11, sigma: float = 0.1, exact_sigma: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-NRM's kernel placement: one exact-match kernel at μ=1 (σ tiny) and n-1 soft kernels
+    evenly spaced over [-1, 1) at μ = 0.9, 0.7, …, -0.9 (for n=11)."""
+    if n_kernels < 2:
+        raise ValueError("n_kernels must be at least 2")
+    step = 2.0 / (n_kernels - 1)
+    mus = [1.0] + [1.0 - step / 2 - i * step for i in range(n_kernels - 1)]
+    sigmas = [exact_sigma] + [sigma] * (n_kernels - 1)
+    return torch.tensor(mus), torch.tensor(sigmas)
+
+
+class RBFKernels(nn.Module):
+    """Maps similarities ``[..., d]`` to kernel activations ``[..., d, K]`` (padding zeroed)."""
+
+    def __init__(self, n_kernels: int = 11, sigma: float = 0.1, exact_sigma: float = 1e-3):
+        super().__init__()
+        mus, sigmas = kernel_centres(n_kernels, sigma, exact_sigma)
+        self.register_buffer("mus", mus, persistent=False)
+        self.register_buffer("sigmas", sigmas, persistent=False)
+
+    @property
+    def n_kernels(self) -> int:
+        return int(self.mus.numel())
+
+    def forward(self, sim: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        k = torch.exp(-((sim.unsqueeze(-1) - self.mus) ** 2) / (2 * self.sigmas**2))
+        if doc_mask is not None:
+            k = k * doc_mask.unsqueeze(-1).to(k.dtype)
+        return k
+
+
+def soft_tf(kernels: torch.Tensor) -> torch.Tensor:
+    """Σ over the document axis: ``[..., d, K] -> [..., K]`` (K-NRM Eq. 3)."""
+    return kernels.sum(dim=-2)
+
+
+def log_soft_tf(kernels: torch.Tensor, floor: float = 1e-10) -> torch.Tensor:
+    """log of the soft term frequency, floored so empty kernels give log(floor), not -inf (K-NRM Eq. 4)."""
+    return torch.log(torch.clamp(soft_tf(kernels), min=floor))
