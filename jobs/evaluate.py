@@ -1,0 +1,36 @@
+"""Run named pipelines on a split and evaluate them with ir-measures.
+
+    python jobs/evaluate.py --data DIR --workdir W --pipeline bm25 [--pipeline bm25>cedr-knrm] --split test
+
+Writes W/runs/<pipeline>-<split>.trec, W/metrics/<pipeline>-<split>.json (flat: measure → value)
+and W/metrics/<pipeline>-<split>.per-query.json, and prints a table.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
+
+from ckray.cli import base_parser, run_job  # noqa: E402
+
+
+def main(args) -> None:
+    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, format_table
+
+    config = EvaluateConfig(data=args.data, workdir=args.workdir, pipelines=args.pipeline or ["bm25"],
+                            split=args.split, k=args.k, rerank_depth=args.rerank_depth)
+    results = evaluate_pipelines(config)
+    print(format_table(results, config.split))
+
+
+def parser():
+    p = base_parser(__doc__)
+    p.add_argument("--pipeline", action="append", help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm")
+    p.add_argument("--split", default="test")
+    p.add_argument("--k", type=int, default=1000, help="results kept per query")
+    p.add_argument("--rerank-depth", type=int, default=100, help="first-stage results a reranker rescores")
+    return p
+
+
+if __name__ == "__main__":
+    run_job(main, parser())

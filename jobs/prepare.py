@@ -1,0 +1,43 @@
+"""Shard a collection with Ray Data, build the BM25 index and BM25 training negatives.
+
+    python jobs/prepare.py --data DIR --workdir W [--shards N]
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
+
+from ckray.cli import base_parser, run_job  # noqa: E402
+
+
+def main(args) -> None:
+    from ckray.data.collections import load_collection
+    from ckray.data.examples import build_negatives
+    from ckray.data.prepare import PrepareConfig, prepare_shards
+    from ckray.lexical.bm25 import build_bm25_index
+
+    collection = load_collection(args.data, allow_unknown=args.allow_unknown_qrels)
+    print(f"collection {collection.name}: {collection.stats}")
+    manifest = prepare_shards(PrepareConfig(data=args.data, workdir=args.workdir, shards=args.shards))
+    print(f"shards: {len(manifest['shards'])}, documents: {manifest['documents']}")
+    build_bm25_index(args.workdir, threads=args.threads)
+    if not args.no_negatives and args.train_split in collection.qrels:
+        build_negatives(args.workdir, collection.split_queries(args.train_split), collection.qrels[args.train_split],
+                        split=args.train_split, depth=args.negative_depth, threads=args.threads)
+
+
+def parser():
+    p = base_parser(__doc__)
+    p.add_argument("--shards", type=int, default=4, help="number of corpus shards")
+    p.add_argument("--threads", type=int, default=2, help="Lucene indexing/search threads")
+    p.add_argument("--train-split", default="train", help="qrels split whose queries get BM25 negatives")
+    p.add_argument("--negative-depth", type=int, default=1000, help="BM25 depth for training negatives")
+    p.add_argument("--no-negatives", action="store_true", help="skip the training negatives")
+    p.add_argument("--allow-unknown-qrels", action="store_true",
+                   help="keep going when qrels point at unknown documents or queries (they are counted)")
+    return p
+
+
+if __name__ == "__main__":
+    run_job(main, parser())
