@@ -24,5 +24,5 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         log.info("connected to Ray at %s", address)
     else:
         cpus = num_cpus or max(4, os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env)
         log.info("started a local Ray with %d logical CPUs", cpus)

@@ -27,7 +27,7 @@ def ray_session():
 
     if not ray.is_initialized():
         # 2 real cores, but Ray Train (2 workers) + Ray Data need more logical CPUs than that.
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
@@ -66,13 +66,17 @@ def ray_head(tmp_path_factory):
          "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true", "--block",
          f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "RAY_AUTH_MODE": "token"},
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
+    import urllib.error
     import urllib.request
     while time.time() < deadline:
         try:
             urllib.request.urlopen(f"{address}/api/version", timeout=2)
+            break
+        except urllib.error.HTTPError:  # e.g. 401 with token auth on: the dashboard is up
             break
         except Exception:
             if proc.poll() is not None:
@@ -81,7 +85,9 @@ def ray_head(tmp_path_factory):
     else:
         os.killpg(proc.pid, signal.SIGTERM)
         raise RuntimeError(f"Ray head did not come up: {log.read_text()}")
-    yield {"dashboard": address, "gcs": f"127.0.0.1:{port}", "ray_bin": ray_bin}
+    # Token authentication is on: clients find the token `ray start` wrote in ~/.ray/auth_token.
+    env = {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+    yield {"dashboard": address, "gcs": f"127.0.0.1:{port}", "ray_bin": ray_bin, "env": env}
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)

@@ -1,0 +1,94 @@
+"""A small synthetic collection in BEIR layout, generated (not downloaded), for the demo and tests.
+
+Each of ``n_topics`` topics owns a handful of invented "concept" words, each with two spellings
+(a synonym pair). Documents mix their topic's concepts with shared filler words; a query names a
+few concepts of one topic, sometimes with the *other* spelling than the relevant documents use, so
+exact-match BM25 is good but not perfect and learned matching has something to add. Deterministic
+for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+_CONSONANTS = "bcdfghklmnprstvz"
+_VOWELS = "aeiou"
+
+
+def _word(rng: random.Random, syllables: int) -> str:
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables)) + rng.choice(_CONSONANTS)
+
+
+@dataclass
+class SampleConfig:
+    n_topics: int = 60
+    docs_per_topic: int = 6
+    concepts_per_topic: int = 6
+    filler_vocab: int = 400
+    train_queries_per_topic: int = 2
+    test_queries_per_topic: int = 1
+    seed: int = 13
+
+
+def generate_sample(out_dir: str | Path, config: SampleConfig = SampleConfig()) -> Path:
+    """Write ``corpus.jsonl``, ``queries.jsonl``, ``qrels/{train,test}.tsv`` under ``out_dir``."""
+    rng = random.Random(config.seed)
+    out = Path(out_dir)
+    (out / "qrels").mkdir(parents=True, exist_ok=True)
+    used: set[str] = set()
+
+    def fresh(syl: int) -> str:
+        while True:
+            w = _word(rng, syl)
+            if w not in used:
+                used.add(w)
+                return w
+
+    filler = [fresh(rng.choice((1, 2))) for _ in range(config.filler_vocab)]
+    topics = [[(fresh(3), fresh(3)) for _ in range(config.concepts_per_topic)] for _ in range(config.n_topics)]
+    corpus, by_topic = [], []
+    for t, concepts in enumerate(topics):
+        ids = []
+        for j in range(config.docs_per_topic):
+            # each document covers a subset of its topic's concepts, in one spelling
+            covered = rng.sample(range(len(concepts)), k=rng.randint(3, len(concepts)))
+            spelling = j % 2
+            words = []
+            for _ in range(rng.randint(40, 160)):
+                if rng.random() < 0.25:
+                    words.append(concepts[rng.choice(covered)][spelling])
+                else:
+                    words.append(rng.choice(filler))
+            doc_id = f"d{t:03d}{j:02d}"
+            title = " ".join(concepts[c][spelling] for c in covered[:2]) + " " + rng.choice(filler)
+            corpus.append({"_id": doc_id, "title": title, "text": " ".join(words) + "."})
+            ids.append((doc_id, covered, spelling))
+        by_topic.append(ids)
+    queries, qrels = [], {"train": [], "test": []}
+    qn = 0
+    for t, concepts in enumerate(topics):
+        for split, n in (("train", config.train_queries_per_topic), ("test", config.test_queries_per_topic)):
+            for _ in range(n):
+                picked = rng.sample(range(len(concepts)), k=2)
+                spelling = rng.randint(0, 1)
+                text = " ".join(concepts[c][spelling] for c in picked) + " " + rng.choice(filler)
+                qid = f"q{qn:04d}"
+                qn += 1
+                queries.append({"_id": qid, "text": text})
+                for doc_id, covered, _ in by_topic[t]:
+                    if all(c in covered for c in picked):
+                        qrels[split].append((qid, doc_id, 1))
+                if not any(r[0] == qid for r in qrels[split]):
+                    qrels[split].append((qid, by_topic[t][0][0], 1))
+    with open(out / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in corpus)
+    with open(out / "queries.jsonl", "w") as f:
+        f.writelines(json.dumps(q) + "\n" for q in queries)
+    for split, rows in qrels.items():
+        with open(out / "qrels" / f"{split}.tsv", "w") as f:
+            f.write("query-id\tcorpus-id\tscore\n")
+            f.writelines(f"{q}\t{d}\t{r}\n" for q, d, r in rows)
+    return out

@@ -1,0 +1,124 @@
+"""Readers: BEIR, MS MARCO, TREC qrels and runs; every bad input named by file and line."""
+
+import json
+
+import pytest
+
+from ckray.data.collections import (load_collection, read_beir_qrels, read_trec_qrels, read_trec_run,
+                                    write_trec_run)
+from ckray.errors import CollectionError
+
+
+def write_beir(tmp_path, corpus_lines, queries=None, qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\n"):
+    (tmp_path / "qrels").mkdir(exist_ok=True)
+    (tmp_path / "corpus.jsonl").write_text("".join(l + "\n" for l in corpus_lines))
+    queries = queries or [{"_id": "q1", "text": "alpha beta"}]
+    (tmp_path / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    (tmp_path / "qrels" / "test.tsv").write_text(qrels)
+    return tmp_path
+
+
+GOOD = [json.dumps({"_id": "d1", "title": "Alpha", "text": "alpha beta"}),
+        json.dumps({"_id": "d2", "title": "", "text": "gamma"})]
+
+
+def test_beir_reader_reads_corpus_queries_qrels(tmp_path):
+    c = load_collection(write_beir(tmp_path, GOOD))
+    assert c.corpus.column("doc_id").to_pylist() == ["d1", "d2"]
+    assert c.queries == {"q1": "alpha beta"}
+    assert c.qrels == {"test": {"q1": {"d1": 1}}}
+    assert c.split_queries("test") == {"q1": "alpha beta"}
+    assert c.stats["documents"] == 2 and c.stats["empty_documents"] == 0
+
+
+def test_malformed_json_line_is_named(tmp_path):
+    write_beir(tmp_path, [GOOD[0], '{"_id": "d2", "text": ', GOOD[1]])
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:2: malformed JSON"):
+        load_collection(tmp_path)
+
+
+def test_missing_id_is_named(tmp_path):
+    write_beir(tmp_path, [GOOD[0], json.dumps({"title": "x", "text": "y"})])
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:2: missing '_id'"):
+        load_collection(tmp_path)
+
+
+def test_duplicate_doc_id(tmp_path):
+    write_beir(tmp_path, [GOOD[0], GOOD[0]])
+    with pytest.raises(CollectionError, match=r"duplicate doc id 'd1'"):
+        load_collection(tmp_path)
+
+
+def test_non_integer_relevance_is_named(tmp_path):
+    write_beir(tmp_path, GOOD, qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td2\thigh\n")
+    with pytest.raises(CollectionError, match=r"test\.tsv:3: relevance 'high' is not an integer"):
+        load_collection(tmp_path)
+
+
+def test_unknown_docs_and_queries_are_counted_and_raise_unless_allowed(tmp_path):
+    write_beir(tmp_path, GOOD, qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\tnope\t1\nq9\td2\t1\n")
+    with pytest.raises(CollectionError, match=r"1 unknown document\(s\) and 1 unknown query"):
+        load_collection(tmp_path)
+    c = load_collection(tmp_path, allow_unknown=True)
+    assert c.stats["unknown_docs"] == 1 and c.stats["unknown_queries"] == 1
+
+
+def test_empty_documents_are_kept_and_counted(tmp_path):
+    c = load_collection(write_beir(tmp_path, GOOD + [json.dumps({"_id": "d3", "title": "", "text": ""})]))
+    assert c.corpus.num_rows == 3
+    assert c.stats["empty_documents"] == 1
+
+
+def test_msmarco_layout(tmp_path):
+    (tmp_path / "collection.tsv").write_text("0\tthe first passage\n1\tthe second passage\n")
+    (tmp_path / "queries.dev.tsv").write_text("100\twhat is first\n")
+    (tmp_path / "qrels.dev.tsv").write_text("100\t0\t0\t1\n")
+    c = load_collection(tmp_path)
+    assert c.corpus.column("text").to_pylist() == ["the first passage", "the second passage"]
+    assert c.queries == {"100": "what is first"}
+    assert c.qrels == {"dev": {"100": {"0": 1}}}
+
+
+def test_msmarco_bad_line(tmp_path):
+    (tmp_path / "collection.tsv").write_text("0\tok\nbroken line without tab\n")
+    with pytest.raises(CollectionError, match=r"collection\.tsv:2: expected 'pid<TAB>text'"):
+        load_collection(tmp_path)
+
+
+def test_not_a_collection(tmp_path):
+    with pytest.raises(CollectionError, match="not a collection directory"):
+        load_collection(tmp_path)
+
+
+def test_trec_qrels_and_errors(tmp_path):
+    p = tmp_path / "qrels.txt"
+    p.write_text("q1 0 d1 2\nq1 0 d2 0\n")
+    assert read_trec_qrels(p) == {"q1": {"d1": 2, "d2": 0}}
+    p.write_text("q1 0 d1 2\nq1 0 d2\n")
+    with pytest.raises(CollectionError, match=r"qrels\.txt:2: expected 4 fields"):
+        read_trec_qrels(p)
+    p.write_text("q1 0 d1 1.5\n")
+    with pytest.raises(CollectionError, match=r"qrels\.txt:1: relevance '1.5' is not an integer"):
+        read_trec_qrels(p)
+
+
+def test_beir_qrels_wrong_field_count(tmp_path):
+    p = tmp_path / "q.tsv"
+    p.write_text("query-id\tcorpus-id\tscore\nq1\td1\n")
+    with pytest.raises(CollectionError, match=r"q\.tsv:2: expected 3 tab-separated fields"):
+        read_beir_qrels(p)
+
+
+def test_trec_run_round_trip_sorted(tmp_path):
+    run = {"q1": [("d2", 3.5), ("d1", 1.25)], "q2": [("d9", -0.5)]}
+    write_trec_run(run, tmp_path / "r.trec")
+    assert read_trec_run(tmp_path / "r.trec") == run
+    (tmp_path / "bad.trec").write_text("q1 Q0 d1 1 notanumber tag\n")
+    with pytest.raises(CollectionError, match=r"bad\.trec:1: score 'notanumber' is not a number"):
+        read_trec_run(tmp_path / "bad.trec")
+
+
+def test_scifact_loads(scifact_dir):
+    c = load_collection(scifact_dir)
+    assert c.corpus.num_rows == 5183
+    assert len(c.qrels["test"]) == 300 and len(c.qrels["train"]) == 809

@@ -1,0 +1,57 @@
+"""Jobs run as plain scripts (local Ray in-process) and through `ray job submit` to a local head."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckray.data.sample import generate_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(cmd, env=None, timeout=600):
+    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    e.update(env or {})
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=e, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_prepare_and_evaluate_as_scripts(tmp_path):
+    data = generate_sample(tmp_path / "data")
+    w = tmp_path / "w"
+    p = run([sys.executable, "jobs/prepare.py", "--data", str(data), "--workdir", str(w), "--shards", "2"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = run([sys.executable, "jobs/evaluate.py", "--data", str(data), "--workdir", str(w), "--pipeline", "bm25", "--split", "test"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    metrics = json.loads((w / "metrics" / "bm25-test.json").read_text())
+    assert set(metrics) == {"nDCG@10", "RR@10", "R@100", "AP@1000"}
+    assert 0.3 < metrics["nDCG@10"] <= 1.0
+    assert (w / "runs" / "bm25-test.trec").stat().st_size > 0
+    assert "bm25" in p.stdout and "nDCG@10" in p.stdout
+
+
+def test_bad_flags_give_clear_errors(tmp_path):
+    data = generate_sample(tmp_path / "data")
+    p = run([sys.executable, "jobs/evaluate.py", "--data", str(data), "--workdir", str(tmp_path / "w"),
+             "--pipeline", "nonsense", "--split", "test"])
+    assert p.returncode == 2 and "unknown first stage 'nonsense'" in p.stdout
+    p = run([sys.executable, "jobs/evaluate.py", "--data", str(tmp_path), "--workdir", str(tmp_path / "w")])
+    assert p.returncode == 2 and "not a collection directory" in p.stdout
+
+
+@pytest.mark.slow
+def test_ray_job_submit_to_a_local_head(ray_head, tmp_path):
+    data = generate_sample(tmp_path / "data")
+    w = tmp_path / "w"
+    env = ray_head["env"]
+    for job in (["jobs/prepare.py", "--data", str(data), "--workdir", str(w), "--shards", "2"],
+                ["jobs/evaluate.py", "--data", str(data), "--workdir", str(w), "--pipeline", "bm25"]):
+        p = run([ray_head["ray_bin"], "job", "submit", "--address", ray_head["dashboard"], "--working-dir", ".",
+                 "--", "python", *job], env=env)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "succeeded" in (p.stdout + p.stderr).lower()
+    assert json.loads((w / "metrics" / "bm25-test.json").read_text())["nDCG@10"] > 0.3

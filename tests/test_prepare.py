@@ -1,0 +1,90 @@
+"""Ray Data sharding: row counts, idempotence, resume after a crash, bad input."""
+
+import json
+import os
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from ckray.data.collections import load_collection
+from ckray.data.prepare import PrepareConfig, prepare_shards, split_file
+from ckray.data.sample import generate_sample
+from ckray.data.shards import DocStore, is_done, load_corpus_table, marker_path, read_corpus_dataset, shard_paths
+from ckray.errors import CollectionError
+
+
+@pytest.fixture()
+def sample(tmp_path):
+    return generate_sample(tmp_path / "data")
+
+
+def test_split_file_covers_every_line_once(sample):
+    path = sample / "corpus.jsonl"
+    ranges = split_file(path, 5)
+    data = path.read_bytes()
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for start, end, first_line in ranges:
+        assert data[:start].count(b"\n") + 1 == first_line
+        assert start == 0 or data[start - 1:start] == b"\n"
+
+
+def test_shards_sum_to_corpus_and_rerun_does_nothing(ray_session, sample, tmp_path):
+    w = tmp_path / "w"
+    manifest = prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=3))
+    corpus = load_collection(sample).corpus
+    assert sum(s["rows"] for s in manifest["shards"]) == corpus.num_rows == manifest["documents"]
+    assert len(shard_paths(w)) == 3
+    assert sorted(load_corpus_table(w).column("doc_id").to_pylist()) == sorted(corpus.column("doc_id").to_pylist())
+    assert read_corpus_dataset(w).count() == corpus.num_rows
+    assert DocStore(w).get("d00000") == (corpus["title"][0].as_py(), corpus["text"][0].as_py())
+    mtimes = {p: p.stat().st_mtime_ns for p in shard_paths(w)}
+    time.sleep(0.01)
+    prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=3))
+    assert {p: p.stat().st_mtime_ns for p in shard_paths(w)} == mtimes
+
+
+def test_half_written_shard_is_redone_finished_ones_are_not(ray_session, sample, tmp_path):
+    w = tmp_path / "w"
+    prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=4))
+    paths = shard_paths(w)
+    before = {p: p.stat().st_mtime_ns for p in paths}
+    # simulate a crash: shard 2 truncated mid-write, its marker still present; shard 3's marker lost
+    paths[2].write_bytes(paths[2].read_bytes()[:100])
+    os.remove(marker_path(paths[3]))
+    (w / "shards" / "_manifest.json").unlink()
+    time.sleep(0.01)
+    manifest = prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=4))
+    after = {p: p.stat().st_mtime_ns for p in paths}
+    assert after[paths[0]] == before[paths[0]] and after[paths[1]] == before[paths[1]]
+    assert after[paths[2]] != before[paths[2]] and after[paths[3]] != before[paths[3]]
+    assert manifest["documents"] == load_collection(sample).corpus.num_rows
+    assert all(pq.read_metadata(p).num_rows > 0 for p in paths)
+
+
+def test_changed_input_rebuilds(ray_session, sample, tmp_path):
+    w = tmp_path / "w"
+    prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=2))
+    with open(sample / "corpus.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "extra", "title": "t", "text": "new document"}) + "\n")
+    manifest = prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=2))
+    assert "extra" in load_corpus_table(w).column("doc_id").to_pylist()
+    assert manifest["documents"] == load_collection(sample).corpus.num_rows
+    assert all(is_done(p, {"input_sha256": manifest["input_sha256"]}) for p in shard_paths(w))
+
+
+def test_malformed_line_is_reported_with_its_line_number(ray_session, sample, tmp_path):
+    lines = (sample / "corpus.jsonl").read_text().splitlines()
+    lines[200] = '{"_id": "broken", "text": '
+    (sample / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(Exception, match=r"corpus\.jsonl:201: malformed JSON"):
+        prepare_shards(PrepareConfig(data=str(sample), workdir=str(tmp_path / "w"), shards=3))
+
+
+def test_duplicate_ids_across_shards(ray_session, sample, tmp_path):
+    lines = (sample / "corpus.jsonl").read_text().splitlines()
+    lines.append(lines[0])
+    (sample / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(CollectionError, match="duplicate doc id 'd00000'"):
+        prepare_shards(PrepareConfig(data=str(sample), workdir=str(tmp_path / "w"), shards=3))
