@@ -1,0 +1,89 @@
+"""What every ``jobs/train_*.py`` shares: flags, making sure the data artifacts exist, building the
+training triples and dev set from *training* queries only, running :func:`ckray.train.fit`, and
+writing the chosen checkpoint to ``W/checkpoints/<name>`` with a training summary beside it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
+from ckray.train import RankerTask, TrainResult, add_train_args, config_from_args, fit
+
+log = logging.getLogger(__name__)
+
+
+def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("training data (ckray.data.examples)")
+    d = TrainingDataConfig()
+    g.add_argument("--train-split", dest="data_split", default=d.split, help="qrels split used for training")
+    g.add_argument("--dev-fraction", type=float, default=d.dev_fraction, help="training queries held back for validation")
+    g.add_argument("--negatives-per-positive", type=int, default=d.negatives_per_positive)
+    g.add_argument("--negative-depth", type=int, default=d.negative_depth, help="sample negatives from BM25 top-N")
+    g.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 candidates reranked in validation")
+    g.add_argument("--max-dev-queries", type=int, default=d.max_dev_queries)
+    g.add_argument("--max-triples", type=int, default=0, help="use at most N training triples (0: all)")
+    return parser
+
+
+def training_parser(description: str) -> argparse.ArgumentParser:
+    from ckray.cli import base_parser
+
+    return add_train_args(add_training_data_args(base_parser(description)))
+
+
+def ensure_prepared(data: str, workdir: str, split: str) -> None:
+    """Run the prepare stage (idempotent) so a training job works on a fresh work directory."""
+    from ckray.data.collections import load_collection
+    from ckray.data.examples import build_negatives
+    from ckray.data.prepare import PrepareConfig, prepare_shards
+    from ckray.lexical.bm25 import build_bm25_index
+
+    from ckray.data.shards import MANIFEST, read_json, shards_dir
+
+    collection = load_collection(data)
+    manifest = shards_dir(workdir) / MANIFEST
+    shards = read_json(manifest)["num_shards_requested"] if manifest.exists() else PrepareConfig.shards
+    prepare_shards(PrepareConfig(data=data, workdir=workdir, shards=shards))
+    build_bm25_index(workdir)
+    build_negatives(workdir, collection.split_queries(split), collection.qrels[split], split=split)
+
+
+def training_data(args: argparse.Namespace) -> TrainingData:
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.errors import ConfigError
+
+    queries, qrels = read_queries_and_qrels(Path(args.data))
+    if args.data_split not in qrels:
+        raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")
+    ensure_prepared(args.data, args.workdir, args.data_split)
+    config = TrainingDataConfig(split=args.data_split, dev_fraction=args.dev_fraction,
+                                negatives_per_positive=args.negatives_per_positive,
+                                negative_depth=args.negative_depth, dev_depth=args.dev_depth,
+                                max_dev_queries=args.max_dev_queries)
+    td = build_training_data(args.workdir, queries, qrels[args.data_split], config)
+    if args.max_triples and td.triples.num_rows > args.max_triples:
+        td = dataclasses.replace(td, triples=td.triples.slice(0, args.max_triples))
+    return td
+
+
+def run_training(task: RankerTask, args: argparse.Namespace, name: str, **train_defaults) -> TrainResult:
+    """Train ``task`` and write ``W/checkpoints/<name>`` (+ ``train_summary.json``)."""
+    td = training_data(args)
+    out = Path(args.workdir) / "checkpoints" / name
+    config = config_from_args(args, output_dir=str(out), storage_dir=str(Path(args.workdir).resolve() / "train"),
+                              run_name=name, **train_defaults)
+    result = fit(task, td.triples, td.dev, config)
+    summary = {
+        "name": name, "best_dev_ndcg@10": result.best_metric, "best_step": result.best_step,
+        "steps": result.steps, "examples_seen": result.examples_seen, "wall_time_s": result.wall_time,
+        "train_triples": td.triples.num_rows, "train_queries": len(td.train_queries), "dev_queries": len(td.dev),
+        "config": dataclasses.asdict(config), "history": result.history,
+    }
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"{name}: best dev nDCG@10 {result.best_metric:.4f} at step {result.best_step}; "
+          f"{result.steps} steps, {result.examples_seen} examples, {result.wall_time:.0f}s → {out}")
+    return result
