@@ -1,0 +1,340 @@
+"""cluster.yaml against Ray's own schema, and real local autoscaling on the fake multi-node provider."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ckray.cluster import (
+    DEFAULT_CLUSTER_YAML,
+    FAKE_HEAD_NODE_TYPE,
+    INFER_RESOURCE,
+    TRAIN_RESOURCE,
+    _cluster_pids,
+    _stop_cluster,
+    load_cluster_config,
+    local_autoscaling_head,
+    local_fake_config,
+    validate_cluster_config,
+)
+from ckray.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_YAML = ROOT / "cluster.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster_cfg() -> dict:
+    return load_cluster_config(CLUSTER_YAML)
+
+
+def _worker_types(cfg: dict) -> dict:
+    return {k: v for k, v in cfg["available_node_types"].items() if k != cfg["head_node_type"]}
+
+
+def _type_with(cfg: dict, resource: str) -> tuple[str, dict]:
+    found = [(k, v) for k, v in _worker_types(cfg).items() if resource in v.get("resources", {})]
+    assert len(found) == 1, f"exactly one worker type should advertise {resource}: {found}"
+    return found[0]
+
+
+# --------------------------------------------------------------------------- cluster.yaml
+
+
+def test_default_path_is_the_repo_cluster_yaml():
+    assert DEFAULT_CLUSTER_YAML == CLUSTER_YAML and CLUSTER_YAML.exists()
+
+
+def test_cluster_yaml_passes_rays_schema_and_validation(cluster_cfg):
+    prepared = validate_cluster_config(cluster_cfg, where=str(CLUSTER_YAML))
+    # prepare_config merged the AWS defaults the way `ray up` does; our commands survived it.
+    assert prepared["provider"]["type"] == "aws"
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+    # Ray's validate_config itself, on the prepared config, once more (no exception).
+    from ray.autoscaler._private.util import validate_config
+    validate_config(prepared)
+
+
+def test_cluster_yaml_node_types(cluster_cfg):
+    head = cluster_cfg["available_node_types"][cluster_cfg["head_node_type"]]
+    head_res = head.get("resources", {})
+    assert head_res.get("GPU", 0) == 0, "the head is a CPU node"
+    assert TRAIN_RESOURCE not in head_res and INFER_RESOURCE not in head_res, \
+        "no training/inference worker may land on the head"
+    assert head.get("max_workers", 0) == 0
+
+    train_name, train = _type_with(cluster_cfg, TRAIN_RESOURCE)
+    infer_name, infer = _type_with(cluster_cfg, INFER_RESOURCE)
+    assert train_name != infer_name
+    # One unit of the custom resource per GPU: a worker asks for {"GPU": 1, "ckray_*": 1}.
+    assert train["resources"]["GPU"] >= 4 and train["resources"][TRAIN_RESOURCE] == train["resources"]["GPU"]
+    assert infer["resources"]["GPU"] >= 1 and infer["resources"][INFER_RESOURCE] == infer["resources"]["GPU"]
+    assert train["node_config"]["InstanceType"].startswith(("g5.", "g6.", "p4", "p5"))
+    assert infer["node_config"]["InstanceType"].startswith(("g5.", "g6.", "g4dn."))
+    for spec in (train, infer):
+        assert spec["min_workers"] == 0 and 1 <= spec["max_workers"] <= cluster_cfg["max_workers"]
+    assert 0 < cluster_cfg["idle_timeout_minutes"] <= 30
+
+
+def test_cluster_yaml_installs_the_project(cluster_cfg):
+    cmds = cluster_cfg["setup_commands"]
+    torch_at = next(i for i, c in enumerate(cmds) if "install" in c and "torch" in c)
+    project_at = next(i for i, c in enumerate(cmds) if "pip install -e" in c and "[gpu]" in c)
+    assert torch_at < project_at, "torch must be installed before the project"
+    assert "." in cluster_cfg["file_mounts"].values(), "the project directory is mounted"
+    assert any("~/ckray" in c for c in cmds), "the project is installed from its mount"
+
+
+# --------------------------------------------------------------------------- broken configs
+
+
+def _broken(cfg: dict, edit) -> dict:
+    cfg = copy.deepcopy(cfg)
+    edit(cfg)
+    return cfg
+
+
+BROKEN = {
+    "missing head_node_type": (lambda c: c.pop("head_node_type"), "head_node_type is required"),
+    "head_node_type of the wrong type": (lambda c: c.update(head_node_type=3),
+                                         "head_node_type: 3 is not of type 'string'"),
+    "head_node_type naming no node type": (lambda c: c.update(head_node_type="ray.head.gpu"),
+                                           "'ray.head.gpu' is not one of available_node_types"),
+    "fractional GPU count": (
+        lambda c: c["available_node_types"]["ray.worker.train_gpu"]["resources"].update(GPU=0.5),
+        "available_node_types.ray.worker.train_gpu.resources.GPU: 0.5 is not of type 'integer'"),
+    "misspelt top-level field": (lambda c: c.update(idle_timeout_minute=5),
+                                 "'idle_timeout_minute' was unexpected"),
+    "missing provider": (lambda c: c.pop("provider"), "'provider' is a required property"),
+    "min_workers above max_workers": (
+        lambda c: c["available_node_types"]["ray.worker.infer_gpu"].update(min_workers=9),
+        "ray.worker.infer_gpu: min_workers (9) > max_workers (8)"),
+    "global max_workers below the sum of min_workers": (  # Ray's validate_config
+        lambda c: (c["available_node_types"]["ray.worker.train_gpu"].update(min_workers=3),
+                   c.update(max_workers=2)),
+        "max_workers` is smaller than the sum of `min_workers`"),
+    "unknown provider type": (lambda c: c["provider"].update(type="ec2"),
+                              "Unsupported node provider: ec2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_config_is_rejected_with_a_clear_message(cluster_cfg, case):
+    edit, expected = BROKEN[case]
+    with pytest.raises(ConfigError) as err:
+        validate_cluster_config(_broken(cluster_cfg, edit), where="cluster.yaml")
+    assert str(err.value).startswith("cluster.yaml: ")
+    assert expected in str(err.value)
+
+
+def test_load_cluster_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_cluster_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="YAML mapping"):
+        load_cluster_config(tmp_path / "list.yaml")
+    (tmp_path / "bad.yaml").write_text("cluster_name: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_cluster_config(tmp_path / "bad.yaml")
+
+
+# --------------------------------------------------------------------------- local twin
+
+
+def test_local_fake_config_keeps_the_worker_types(cluster_cfg):
+    local = local_fake_config(CLUSTER_YAML, cpus_per_node=2)
+    assert local["provider"]["type"] == "fake_multinode"
+    assert local["provider"]["disable_launch_config_check"] is True
+    assert local["provider"]["disable_node_updaters"] is True
+    assert local["provider"]["use_node_id_as_ip"] is True
+    from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_TYPE as RAYS
+    assert local["head_node_type"] == FAKE_HEAD_NODE_TYPE == RAYS
+    assert local["idle_timeout_minutes"] == cluster_cfg["idle_timeout_minutes"]
+    assert local["max_workers"] == cluster_cfg["max_workers"]
+
+    cloud_workers = _worker_types(cluster_cfg)
+    local_workers = _worker_types(local)
+    assert set(local_workers) == set(cloud_workers)
+    for name, cloud in cloud_workers.items():
+        got = local_workers[name]
+        assert got["min_workers"] == cloud["min_workers"]
+        assert got["max_workers"] == cloud["max_workers"]
+        assert "GPU" not in got["resources"], "this machine has no GPU"
+        assert 1 <= got["resources"]["CPU"] <= 2
+        for res in (TRAIN_RESOURCE, INFER_RESOURCE):
+            assert got["resources"].get(res) == cloud["resources"].get(res), "custom resources kept"
+        assert got["node_config"] == {}
+    head = local["available_node_types"][FAKE_HEAD_NODE_TYPE]
+    assert head["max_workers"] == 0 and TRAIN_RESOURCE not in head["resources"]
+
+    from ray.autoscaler._private.util import validate_config
+    validate_config(local)  # Ray's own check on the local config too
+
+
+def test_local_fake_config_overrides(cluster_cfg):
+    local = local_fake_config(cluster_cfg, cpus_per_node=1, head_cpus=3, idle_timeout_minutes=0.25,
+                              max_workers_per_type=1, object_store_memory=300 * 1024**2)
+    assert local["idle_timeout_minutes"] == 0.25
+    assert all(t["max_workers"] == 1 and t["resources"]["CPU"] == 1
+               for t in _worker_types(local).values())
+    assert local["max_workers"] == 2
+    assert local["available_node_types"][FAKE_HEAD_NODE_TYPE]["resources"]["CPU"] == 3
+    assert all(t["resources"]["object_store_memory"] == 300 * 1024**2
+               for t in local["available_node_types"].values())
+
+
+def test_local_fake_config_rejects_a_broken_cluster_yaml(cluster_cfg):
+    with pytest.raises(ConfigError, match="head_node_type"):
+        local_fake_config(_broken(cluster_cfg, lambda c: c.pop("head_node_type")))
+
+
+def test_local_head_needs_a_fake_provider(cluster_cfg):
+    with pytest.raises(ConfigError, match="fake_multinode"):
+        with local_autoscaling_head(cluster_cfg):
+            pass
+
+
+def test_teardown_finds_the_clusters_processes_and_only_them(tmp_path):
+    """What local_autoscaling_head stops: its process group, processes tagged with its marker
+    (they inherited the head's environment), processes naming its temp dir; nothing else."""
+    marker, temp_dir = "ckr-test-marker", str(tmp_path / "ckr-x")
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    procs = {
+        "leader": subprocess.Popen(sleep, start_new_session=True),
+        "tagged": subprocess.Popen(sleep, start_new_session=True,
+                                   env={**os.environ, "CKRAY_LOCAL_CLUSTER": marker}),
+        "by_path": subprocess.Popen([*sleep, f"--temp-dir={temp_dir}"], start_new_session=True),
+        "stranger": subprocess.Popen([*sleep, f"--temp-dir={temp_dir}2"], start_new_session=True,
+                                     env={**os.environ, "CKRAY_LOCAL_CLUSTER": marker + "2"}),
+    }
+    try:
+        found = set(_cluster_pids(procs["leader"].pid, marker, temp_dir))
+        assert found == {procs[k].pid for k in ("leader", "tagged", "by_path")}
+        _stop_cluster(procs["leader"], marker, temp_dir, grace_s=2)
+        for k in ("tagged", "by_path"):
+            procs[k].wait(timeout=10)
+        assert procs["leader"].poll() is not None
+        assert procs["stranger"].poll() is None, "another cluster's process was killed"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- real autoscaling
+
+IDLE_TIMEOUT_MIN = 0.25  # 15 s
+
+# A driver with the resource shape of a 2-worker Ray Train run on the training node type: one
+# placement-group bundle per worker, packed, each needing the node type's custom resource.
+# It prints where its workers ran. (Swap in a real training job here once one exists.)
+PROBE_DRIVER = f"""
+import json, os
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+ray.init()
+bundle = {{"CPU": 1, "{TRAIN_RESOURCE}": 1}}
+pg = placement_group([bundle, bundle], strategy="PACK")
+ray.get(pg.ready(), timeout=240)
+
+@ray.remote(num_cpus=1, resources={{"{TRAIN_RESOURCE}": 1}})
+class Worker:
+    def where(self):
+        return {{"node_id": ray.get_runtime_context().get_node_id(),
+                "node_type": os.environ.get("RAY_NODE_TYPE_NAME")}}
+
+workers = [Worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+    pg, placement_group_bundle_index=i)).remote() for i in range(2)]
+print("CKRAY_PROBE " + json.dumps(ray.get([w.where.remote() for w in workers])), flush=True)
+remove_placement_group(pg)
+"""
+
+
+def _diagnostics(head) -> str:
+    try:
+        status = head.autoscaler_status(timeout=30)
+    except Exception as e:  # noqa: BLE001 - best effort for a failure message
+        status = f"(ray status failed: {e!r})"
+    return f"\nautoscaler events: {head.autoscaler_events()}\n{status}"
+
+
+@pytest.mark.slow
+def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle():
+    t0 = time.time()
+    cfg = local_fake_config(CLUSTER_YAML, cpus_per_node=2, idle_timeout_minutes=IDLE_TIMEOUT_MIN,
+                            max_workers_per_type=2)
+    train_type, _ = _type_with(cfg, TRAIN_RESOURCE)
+    with local_autoscaling_head(cfg) as head:
+        marker, temp_dir, leader = head.marker, head.temp_dir, head.pid
+        t_ready = time.time() - t0
+        alive = head.alive_nodes()
+        assert [n["is_head_node"] for n in alive] == [True], "starts with the head only (min_workers: 0)"
+
+        job_id = f"ckray-autoscale-{uuid.uuid4().hex[:8]}"
+        submit = subprocess.run(
+            head.ray_cmd("job", "submit", f"--address={head.dashboard_url}", f"--submission-id={job_id}",
+                         "--no-wait", "--", sys.executable, "-c", PROBE_DRIVER),
+            env=head.env, capture_output=True, text=True, timeout=120)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+
+        # Scale-up: the job needs ckray_train, which only the training node type has.
+        added: dict[str, dict] = {}
+        status = None
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            for n in head.alive_nodes():
+                if not n["is_head_node"]:
+                    added[n["node_id"]] = n
+            status = head.job_status(job_id)
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(1)
+        # The node outlives the job by the idle timeout: one more look catches it in any case.
+        added.update({n["node_id"]: n for n in head.alive_nodes() if not n["is_head_node"]})
+        logs = head.job_logs(job_id)
+        assert status == "SUCCEEDED", f"job {status}:\n{logs[-3000:]}{_diagnostics(head)}"
+        t_job = time.time() - t0
+        assert added, "the autoscaler added no node" + _diagnostics(head)
+        for n in added.values():
+            assert n["resources_total"].get(TRAIN_RESOURCE) == cfg["available_node_types"][train_type][
+                "resources"][TRAIN_RESOURCE], f"only the training node type was needed: {n}"
+            assert "GPU" not in n["resources_total"]
+        assert any(e.startswith("Adding ") and e.endswith(f"node(s) of type {train_type}.")
+                   for e in head.autoscaler_events()), head.autoscaler_events()
+
+        line = next(ln for ln in logs.splitlines() if ln.startswith("CKRAY_PROBE "))
+        placed = json.loads(line.split(" ", 1)[1])
+        assert {p["node_id"] for p in placed} <= set(added), f"workers ran off the new node: {placed}"
+        assert {p["node_type"] for p in placed} == {train_type}
+
+        # Scale-down: idle for idle_timeout_minutes -> terminated (the node turns DEAD in the GCS).
+        deadline = time.time() + IDLE_TIMEOUT_MIN * 60 + 120
+        while time.time() < deadline:
+            if not [n for n in head.alive_nodes() if not n["is_head_node"]]:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("the idle node was not removed" + _diagnostics(head))
+        t_removed = time.time() - t0
+        states = {n["node_id"]: n["state"] for n in head.nodes()}
+        assert all(states[i] == "DEAD" for i in added)
+        assert any(e.startswith("Removing ") and e.endswith(f"nodes of type {train_type} (idle).")
+                   for e in head.autoscaler_events()), head.autoscaler_events()
+        assert [n["is_head_node"] for n in head.alive_nodes()] == [True]
+
+    # Teardown: nothing of this cluster survives (fake worker nodes, workers, job driver).
+    assert _cluster_pids(leader, marker, str(temp_dir)) == []
+    assert not temp_dir.exists()
+    print(f"\nhead ready {t_ready:.0f}s, job done (node added) {t_job:.0f}s, "
+          f"node removed {t_removed:.0f}s, torn down {time.time() - t0:.0f}s")
