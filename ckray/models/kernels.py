@@ -51,3 +51,45 @@ def soft_tf(kernels: torch.Tensor) -> torch.Tensor:
 def log_soft_tf(kernels: torch.Tensor, floor: float = 1e-10) -> torch.Tensor:
     """log of the soft term frequency, floored so empty kernels give log(floor), not -inf (K-NRM Eq. 4)."""
     return torch.log(torch.clamp(soft_tf(kernels), min=floor))
+
+
+# --------------------------------------------------------------------------- windowed kernel pooling
+# TKL (Hofstätter et al. 2020) and CK (Mitra et al. 2020, Eq. 11-16) pool kernels over fixed-size
+# windows of a long document instead of over the whole document. Windows are ``window`` positions
+# long and start at 0, stride, 2·stride, … — every start inside the (padded) document, so padding a
+# document further only adds windows that hold no real token.
+
+
+def window_count(length: int, stride: int) -> int:
+    """Number of windows over ``length`` positions: one per start 0, stride, … < length (at least 1)."""
+    return max(1, -(-int(length) // int(stride)))
+
+
+def windowed_length(length: int, window: int, stride: int) -> int:
+    """Length the document axis must be zero-padded to so that every window is complete."""
+    return (window_count(length, stride) - 1) * stride + window
+
+
+def pad_for_windows(x: torch.Tensor, window: int, stride: int, dim: int = -1) -> torch.Tensor:
+    """Zero-pad ``x`` along ``dim`` to ``windowed_length`` (a no-op when already long enough)."""
+    dim = dim % x.dim()
+    extra = windowed_length(x.shape[dim], window, stride) - x.shape[dim]
+    if extra <= 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+def windowed_soft_tf(kernels: torch.Tensor, window: int, stride: int) -> torch.Tensor:
+    """Soft term frequency per document window: ``[..., d, K] -> [..., n_windows, K]``.
+
+    The windowed form of K-NRM Eq. 3 (Σ over the positions of each window); padding must already be
+    zeroed in ``kernels`` (``RBFKernels(sim, doc_mask)`` does that)."""
+    kernels = pad_for_windows(kernels, window, stride, dim=-2)
+    return kernels.unfold(-2, window, stride).sum(-1)
+
+
+def window_mask(doc_mask: torch.Tensor, window: int, stride: int) -> torch.Tensor:
+    """``[..., d] -> [..., n_windows]`` bool: the windows that hold at least one real token."""
+    m = pad_for_windows(doc_mask.to(torch.float32), window, stride, dim=-1)
+    return m.unfold(-1, window, stride).sum(-1) > 0

@@ -1,0 +1,586 @@
+"""Conformer-Kernel (CK) with Query Term Independence (QTI).
+
+Mitra, Hofstätter, Zamani, Craswell (2020), "Improving Transformer-Kernel Ranking Model Using
+Conformer and Query Term Independence", arXiv 2007.10434. Equation and figure numbers are the paper's.
+
+Reading order (top to bottom, like nanoGPT):
+
+    CKConfig                 hyperparameters (defaults: 2 blocks, d=300, 10 heads, |d| ≤ 4,000)
+    SeparableSelfAttention   Eq. 5–6   A = softmax(Kᵀ) V ;  Out = softmax_rows(Q) A      (linear in n)
+    QuadraticSelfAttention   the TK baseline: softmax(QKᵀ/√d) V                        (n × n)
+    ConformerBlock           Fig. 1c   windowed 1-D convolution + self-attention + feed-forward
+    Encoder                  word-piece embedding → projection → sinusoidal positions → L blocks
+    BatchScale               Eq. 10    BS(x) = x / (E[x] + ε), running E[x] for inference
+    CKModel                  explicit (Eq. 9) + implicit (Eq. 11–16) per-term scores,
+                             s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b),  S_qd = Σ_t s_td
+
+With ``qti=True`` a query term is embedded without context (embedding + projection only), so
+``s_td`` depends on the term and the document alone: a document is encoded once
+(``encode_documents``) and any number of candidate terms are scored against it (``term_scores``),
+which is what an impact index needs. ``qti=False`` contextualises the query with the same encoder
+(the paper's full CK). ``tk_config()`` gives the TK-style baseline (quadratic attention, no
+convolution) used by ``bench/ck_memory.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckray.errors import ConfigError
+from ckray.models.kernels import RBFKernels, pad_for_windows, window_mask, windowed_soft_tf
+
+
+# --------------------------------------------------------------------------- configuration
+@dataclass
+class CKConfig:
+    # vocabulary and embeddings: the offline MiniLM's WordPiece vocabulary and 384-dim word vectors
+    vocab_size: int = 30522
+    emb_dim: int = 384
+    embedding_init: str = "pretrained"  # "pretrained" (MiniLM word embeddings) | "random"
+    encoder: str | None = None  # tokenizer / embedding source; None = offline all-MiniLM-L6-v2
+    # encoder, sized like TK (Hofstätter et al. 2020): 2 layers, 300 dims, 10 heads, feed-forward 100
+    d_model: int = 300
+    n_layers: int = 2
+    n_heads: int = 10
+    ff_dim: int = 100
+    conv_window: int = 7  # odd; 0 = no convolution (TK)
+    attention: str = "separable"  # "separable" (CK, Eq. 5-6) | "quadratic" (TK)
+    dropout: float = 0.0  # TK used none; set > 0 to regularise the encoder
+    qti: bool = True  # query term independence: context-free query terms
+    # implicit matching (Eq. 11-16)
+    n_kernels: int = 11
+    kernel_sigma: float = 0.1
+    pool_window: int = 40  # windowed kernel pooling: window length …
+    pool_stride: int = 20  # … and stride (overlapping windows)
+    implicit_hidden: int = 32  # the small MLP over each window's log kernel features
+    # explicit matching (Eq. 9-10)
+    bs_momentum: float = 0.1  # running E[x] for batch scaling
+    eps: float = 1e-6
+    # input lengths (word pieces)
+    max_query_len: int = 30
+    max_doc_len: int = 4000
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("separable", "quadratic"):
+            raise ConfigError(f"CKConfig.attention must be 'separable' or 'quadratic', not {self.attention!r}")
+        if self.embedding_init not in ("pretrained", "random"):
+            raise ConfigError(f"CKConfig.embedding_init must be 'pretrained' or 'random', not {self.embedding_init!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"CKConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.conv_window < 0 or (self.conv_window and self.conv_window % 2 == 0):
+            raise ConfigError(f"CKConfig.conv_window must be odd (or 0 for none), not {self.conv_window}")
+        if not 0 < self.pool_stride <= self.pool_window:
+            raise ConfigError("CKConfig needs 0 < pool_stride <= pool_window")
+
+
+def tk_config(**overrides) -> CKConfig:
+    """The TK-style baseline: ordinary quadratic self-attention, no convolution, query contextualised."""
+    return CKConfig(**{"attention": "quadratic", "conv_window": 0, "qti": False, **overrides})
+
+
+# --------------------------------------------------------------------------- attention
+class SeparableSelfAttention(nn.Module):
+    """Separable self-attention, Eq. 5–6, per head h:
+
+        A_h   = softmax(K_hᵀ) V_h          (Eq. 5; softmax over the sequence axis, [d_h × d_h])
+        Out_h = softmax_rows(Q_h) A_h      (Eq. 6; softmax over each row's d_h features)
+
+    Memory and time are O(n·d_h²) — the n × n attention matrix is never formed. Padding is masked on
+    the key side (its softmax weight is exactly 0), so real tokens never see padded ones. Q and K come
+    from one projection and V from another, so the raw Q, K activations can be freed once their
+    softmaxes are taken (only the softmax outputs and V are kept for the backward pass).
+    """
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qk = nn.Linear(d_model, 2 * d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def heads(self, x: torch.Tensor, parts: int) -> torch.Tensor:
+        """[B, n, parts·D] -> [parts, B, H, n, d_h]"""
+        B, n, PD = x.shape
+        return x.view(B, n, parts, self.n_heads, PD // parts // self.n_heads).permute(2, 0, 3, 1, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, n, D = x.shape
+        q, k = self.heads(self.qk(x), 2)
+        v = self.heads(self.v(x), 1)[0]
+        k = k.masked_fill(~mask[:, None, :, None], torch.finfo(k.dtype).min)
+        a = k.softmax(dim=2).transpose(-1, -2) @ v  # Eq. 5  [B, H, d_h, d_h]
+        y = q.softmax(dim=-1) @ a  # Eq. 6  [B, H, n, d_h]
+        return self.out(y.transpose(1, 2).reshape(B, n, D))
+
+
+class QuadraticSelfAttention(SeparableSelfAttention):
+    """Ordinary multi-head self-attention (TK): softmax(Q Kᵀ / √d_h) V with an explicit n × n matrix
+    (as TK's 2020 implementation did; no fused/flash kernel, so memory grows as n²). Same projections
+    as the separable attention, so the two differ only in how Q, K and V are combined."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, n, D = x.shape
+        q, k = self.heads(self.qk(x), 2)
+        v = self.heads(self.v(x), 1)[0]
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)  # [B, H, n, n]
+        scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
+        y = scores.softmax(dim=-1) @ v
+        return self.out(y.transpose(1, 2).reshape(B, n, D))
+
+
+# --------------------------------------------------------------------------- encoder
+class WindowedConv(nn.Module):
+    """Depthwise 1-D convolution over a window of k positions (each channel its own filter, as in
+    the Conformer's depthwise convolution):
+
+        y_i = b + Σ_{o=0}^{k-1} w_o ⊙ x_{i + o − ⌊k/2⌋}        (zero outside the sequence)
+
+    Written as k shifted multiply-adds over views of one padded copy of x, so only that copy is
+    kept for the backward pass (PyTorch's CPU convolution keeps k-times larger unfolded buffers)."""
+
+    def __init__(self, d_model: int, window: int):
+        super().__init__()
+        bound = 1 / math.sqrt(window)  # nn.Conv1d's default init for a depthwise filter
+        self.weight = nn.Parameter(torch.empty(window, d_model).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(d_model).uniform_(-bound, bound))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.weight.shape[0], x.shape[1]
+        xp = F.pad(x, (0, 0, k // 2, k // 2))
+        y = self.bias + xp[:, :n] * self.weight[0]
+        for o in range(1, k):
+            y = y + xp[:, o:o + n] * self.weight[o]
+        return y
+
+
+class ConformerBlock(nn.Module):
+    """The Conformer block (Fig. 1c): a windowed 1-D (depthwise) convolution and self-attention in one
+    block, then a feed-forward layer; each sub-layer is pre-layer-normed and residual:
+
+        x ← x + GELU(Conv(LN(x)))  (local context: a window of ``conv_window`` positions)
+        x ← x + SelfAttn(LN(x))    (global context: separable, or quadratic for TK)
+        x ← x + FFN(LN(x))
+
+    Padded positions are zeroed before the convolution (so a real token near the end of a document
+    sees the same zeros it would see unpadded) and at the block's output.
+    """
+
+    def __init__(self, cfg: CKConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.conv = None
+        if cfg.conv_window:
+            self.conv_norm = nn.LayerNorm(d)
+            self.conv = WindowedConv(d, cfg.conv_window)
+        self.attn_norm = nn.LayerNorm(d)
+        attn = SeparableSelfAttention if cfg.attention == "separable" else QuadraticSelfAttention
+        self.attn = attn(d, cfg.n_heads)
+        self.ff_norm = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, cfg.ff_dim), nn.GELU(), nn.Linear(cfg.ff_dim, d))
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(x.dtype)
+        if self.conv is not None:
+            x = x + self.drop(F.gelu(self.conv(self.conv_norm(x) * m)))
+        x = x + self.drop(self.attn(self.attn_norm(x), mask))
+        x = x + self.drop(self.ff(self.ff_norm(x)))
+        return x * m
+
+
+def sinusoidal_positions(n: int, d: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Vaswani et al.'s fixed positions: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(…)."""
+    pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d))
+    pe = torch.zeros(n, d, device=device)
+    pe[:, 0::2] = torch.sin(pos * freq)
+    pe[:, 1::2] = torch.cos(pos * freq[: d // 2])
+    return pe.to(dtype)
+
+
+class Encoder(nn.Module):
+    """Word pieces → embedding (MiniLM-initialised, trainable) → projection to d_model (the
+    context-free term vector x₀) → + scaled sinusoidal positions → L Conformer blocks.
+
+    The blocks are pre-norm and residual, so x₀ runs through to the output: the cosine between a
+    context-free query term and a contextualised document term starts out as their embedding
+    similarity (the role TK's learned mix of contextualised and context-free vectors plays). No
+    final LayerNorm: the implicit match only uses cosines, which ignore scale. The positions are
+    scaled by a learned scalar, initialised so that PE rows have norm 0.5 — about the norm of x₀
+    from MiniLM's embeddings — instead of √(d/2) ≈ 12, which would drown the word vectors.
+    """
+
+    def __init__(self, cfg: CKConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=0)
+        self.proj = nn.Linear(cfg.emb_dim, cfg.d_model)
+        self.pos_scale = nn.Parameter(torch.tensor(0.5 / math.sqrt(cfg.d_model / 2)))
+        self.blocks = nn.ModuleList(ConformerBlock(cfg) for _ in range(cfg.n_layers))
+
+    def terms(self, ids: torch.Tensor) -> torch.Tensor:
+        """Context-free term vectors x₀ = W·E[t] + b (QTI's query side: embedding + projection only)."""
+        return self.proj(self.embed(ids))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x0 = self.terms(ids)
+        x = x0 + self.pos_scale * sinusoidal_positions(ids.shape[1], x0.shape[-1], x0.device, x0.dtype)
+        for block in self.blocks:
+            x = block(x, mask)  # zero at padded positions
+        return x
+
+
+# --------------------------------------------------------------------------- explicit matching helpers
+class BatchScale(nn.Module):
+    """Batch scaling, Eq. 10: BS(x) = x / (E[x] + ε).
+
+    Training: E[x] is the mean of x over the batch's real entries, and a running value is kept
+    (``running = (1−m)·running + m·E_batch[x]``; the first batch sets it). Evaluation: the running
+    value is used, so a score depends on one (term, document) pair only — QTI holds exactly.
+    """
+
+    def __init__(self, momentum: float, eps: float):
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+        self.register_buffer("running_mean", torch.ones(()))
+        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                w = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+                mean = (x * w).sum() / w.sum().clamp(min=1)
+                first = self.num_batches_tracked == 0  # no .item(): no device sync per step
+                m = torch.where(first, torch.ones_like(self.running_mean), torch.full_like(self.running_mean, self.momentum))
+                self.running_mean.mul_(1 - m).add_(m * mean.to(self.running_mean.dtype))
+                self.num_batches_tracked.add_(1)
+        else:
+            mean = self.running_mean
+        return x / (mean.to(x.dtype) + self.eps)
+
+
+def bm25_idf(doc_freq: torch.Tensor, n_docs: int) -> torch.Tensor:
+    """IDF_t = log(1 + (N − df_t + 0.5) / (df_t + 0.5)) (Lucene's BM25 idf; always positive)."""
+    df = doc_freq.to(torch.float64)
+    return torch.log1p((n_docs - df + 0.5) / (df + 0.5)).to(torch.float32)
+
+
+# --------------------------------------------------------------------------- documents, encoded once
+@dataclass
+class DocRepr:
+    """A batch of documents encoded once, for scoring any number of terms against them.
+
+    ``ids``/``mask`` [B, n] (word pieces, real positions), ``vectors`` [B, n, d] contextualised term
+    vectors, ``inv_norm`` [B, n] = 1/‖vector‖ (float32; the cosine is taken as (q̂·d)·inv_norm, which
+    keeps one copy of the vectors for the backward pass), ``length`` [B] = |d| (real word pieces)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    vectors: torch.Tensor
+    inv_norm: torch.Tensor
+    length: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def term_frequency(self, term_ids: torch.Tensor) -> torch.Tensor:
+        """TF_{t,d}: occurrences of each term id in each document, ``[T] or [B, T] -> [B, T]`` (float)."""
+        if term_ids.dim() == 1:
+            term_ids = term_ids.expand(len(self), -1)
+        hits = (self.ids[:, None, :] == term_ids[:, :, None]) & self.mask[:, None, :]
+        return hits.sum(-1).to(torch.float32)
+
+    def unique_terms(self) -> list[torch.Tensor]:
+        """The distinct word-piece ids of each document (its own candidate terms for an impact index)."""
+        return [ids[m].unique() for ids, m in zip(self.ids, self.mask)]
+
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> "DocRepr":
+        return DocRepr(self.ids[index], self.mask[index], self.vectors[index], self.inv_norm[index],
+                       self.length[index])
+
+
+# --------------------------------------------------------------------------- tokenisation
+def tokenize(texts: Sequence[str], max_len: int, encoder: str | None = None,
+             pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word pieces without [CLS]/[SEP], truncated to ``max_len``, right-padded with 0 to the longest
+    text (or ``pad_to``), at least one column. Returns ``(ids [B, n] long, mask [B, n] bool)``."""
+    from ckray.models.encoders import load_tokenizer
+
+    pieces = load_tokenizer(encoder)(list(texts), add_special_tokens=False, truncation=True,
+                                     max_length=max_len)["input_ids"]
+    n = max([1, pad_to or 0] + [len(p) for p in pieces])
+    ids = torch.zeros(len(pieces), n, dtype=torch.long)
+    for i, p in enumerate(pieces):
+        ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in pieces], dtype=torch.long)
+    return ids, torch.arange(n)[None, :] < lengths[:, None]
+
+
+@dataclass
+class CorpusStats:
+    """What the explicit match needs from a corpus: document frequency per vocabulary id, N, mean |d|."""
+
+    doc_freq: torch.Tensor
+    n_docs: int
+    mean_doc_len: float
+
+
+def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> CorpusStats:
+    """Document frequencies and mean length over ``texts``, tokenised (and truncated) as the model does."""
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer(config.encoder)
+    df = np.zeros(config.vocab_size, dtype=np.int64)
+    n_docs, n_pieces, batch = 0, 0, []
+
+    def flush() -> None:
+        nonlocal n_pieces
+        for p in tok(batch, add_special_tokens=False, truncation=True, max_length=config.max_doc_len)["input_ids"]:
+            df[np.unique(np.asarray(p, dtype=np.int64))] += 1
+            n_pieces += len(p)
+        batch.clear()
+
+    for text in texts:
+        batch.append(text)
+        n_docs += 1
+        if len(batch) >= batch_size:
+            flush()
+    if batch:
+        flush()
+    return CorpusStats(torch.from_numpy(df), n_docs, n_pieces / max(n_docs, 1))
+
+
+# --------------------------------------------------------------------------- the model
+class CKModel(nn.Module):
+    """Conformer-Kernel ranker. ``forward(query_ids, query_mask, doc_ids, doc_mask) -> S_qd [B]``."""
+
+    def __init__(self, config: CKConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.encoder = Encoder(cfg)
+        # explicit matching (Eq. 9-10); w=0.75, b=0.25 start it as BM25 with b = 0.75
+        self.register_buffer("idf", torch.ones(cfg.vocab_size))
+        self.bs_tf = BatchScale(cfg.bs_momentum, cfg.eps)
+        self.bs_len = BatchScale(cfg.bs_momentum, cfg.eps)
+        self.len_w = nn.Parameter(torch.tensor(0.75))
+        self.len_b = nn.Parameter(torch.tensor(0.25))
+        # implicit matching (Eq. 11-16)
+        self.kernels = RBFKernels(cfg.n_kernels, cfg.kernel_sigma)
+        self.window_mlp = nn.Sequential(nn.Linear(cfg.n_kernels, cfg.implicit_hidden), nn.ReLU(),
+                                        nn.Linear(cfg.implicit_hidden, 1))
+        self.len_norm_logit = nn.Parameter(torch.zeros(()))  # λ = sigmoid(·) in Eq. 16, 0.5 at init
+        # combination: s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b), α = sigmoid(alpha_logit)
+        self.alpha_logit = nn.Parameter(torch.zeros(()))
+        self.bias = nn.Parameter(torch.tensor(0.1))  # > 0: every term starts alive under the ReLU
+        self._init_weights()
+
+    # ----------------------------------------------------------------- initialisation
+    def _init_weights(self) -> None:
+        nn.init.normal_(self.window_mlp[2].weight, std=0.01)  # implicit part starts near 0: S ≈ α·explicit
+        nn.init.zeros_(self.window_mlp[2].bias)
+        if self.config.embedding_init == "pretrained":
+            self._load_pretrained_embeddings()
+
+    @torch.no_grad()
+    def _load_pretrained_embeddings(self) -> None:
+        """Copy the encoder's word-piece embeddings (MiniLM: 30,522 × 384) into ours, where available."""
+        from ckray.models.encoders import load_encoder
+
+        try:
+            weight = load_encoder(self.config.encoder).embeddings.word_embeddings.weight
+        except Exception as exc:  # no offline copy and no network: keep the random init, say so
+            warnings.warn(f"CK: pretrained word embeddings unavailable ({exc}); using a random init")
+            return
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.emb_dim):
+            raise ConfigError(f"pretrained embeddings are {tuple(weight.shape)}, but CKConfig has "
+                              f"vocab_size={self.config.vocab_size}, emb_dim={self.config.emb_dim}")
+        self.encoder.embed.weight.copy_(weight)
+
+    @torch.no_grad()
+    def set_idf(self, doc_freq: torch.Tensor, n_docs: int, mean_doc_len: float | None = None) -> None:
+        """IDF_t of Eq. 9 from corpus document frequencies ``doc_freq[vocab]`` (kept in the checkpoint).
+
+        ``mean_doc_len`` (word pieces), when given, also starts the running E[|d|] of Eq. 10 at the
+        corpus mean (BM25's avgdl), so an untrained model in eval mode normalises lengths sensibly;
+        the first training batch replaces it with the batch mean."""
+        if doc_freq.numel() != self.config.vocab_size:
+            raise ConfigError(f"doc_freq has {doc_freq.numel()} entries, the vocabulary {self.config.vocab_size}")
+        self.idf.copy_(bm25_idf(doc_freq.reshape(-1), n_docs).to(self.idf.device))
+        if mean_doc_len is not None:
+            self.bs_len.running_mean.fill_(float(mean_doc_len))
+
+    def set_idf_from_texts(self, texts: Iterable[str]) -> CorpusStats:
+        """Tokenise ``texts`` (the corpus) and set IDF and the initial E[|d|] from them."""
+        stats = corpus_statistics(texts, self.config)
+        self.set_idf(stats.doc_freq, stats.n_docs, stats.mean_doc_len)
+        return stats
+
+    @property
+    def device(self) -> torch.device:
+        return self.idf.device
+
+    # ----------------------------------------------------------------- encoding
+    def encode_documents(self, doc_ids: torch.Tensor, doc_mask: torch.Tensor) -> DocRepr:
+        """Encode documents once: contextualised term vectors, ids (for TF) and |d|."""
+        mask = doc_mask.bool()
+        vectors = self.encoder(doc_ids, mask)
+        inv_norm = vectors.float().norm(dim=-1).clamp(min=1e-6).reciprocal()
+        return DocRepr(doc_ids, mask, vectors, inv_norm, mask.sum(-1).to(torch.float32))
+
+    def encode_query_terms(self, term_ids: torch.Tensor) -> torch.Tensor:
+        """QTI query side: each term on its own, embedding + projection only (no context)."""
+        return self.encoder.terms(term_ids)
+
+    def encode_queries(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
+        """Query term vectors: context-free with QTI, contextualised by the encoder without (full CK)."""
+        if self.config.qti:
+            return self.encode_query_terms(query_ids)
+        return self.encoder(query_ids, query_mask.bool())
+
+    # ----------------------------------------------------------------- per-term scores
+    def explicit_scores(self, term_ids: torch.Tensor, doc: DocRepr, term_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 9 (with Eq. 10's batch scaling BS):
+
+            s_explicit = IDF_t · BS(TF_td) / (BS(TF_td) + ReLU(w·BS(|d|) + b) + ε)        [B, T]
+
+        BM25's saturation with learned length normalisation; 0 when t does not occur in d."""
+        tf = doc.term_frequency(term_ids)
+        tf_s = self.bs_tf(tf, term_mask)
+        len_s = self.bs_len(doc.length)
+        denom = tf_s + F.relu(self.len_w * len_s[:, None] + self.len_b) + self.config.eps
+        idf = self.idf[term_ids]
+        return (idf if idf.dim() == 2 else idf.expand_as(tf)) * tf_s / denom
+
+    def implicit_scores(self, term_vectors: torch.Tensor, doc: DocRepr) -> torch.Tensor:
+        """Eq. 11–16, for query term vectors ``[B, T, d]`` (or ``[T, d]``, shared) against ``doc``:
+
+            R_ti   = cos(q_t, d_i)                                    cosine with each document term
+            K_tik  = exp(−(R_ti − μ_k)² / 2σ_k²)                      RBF kernels (padding zeroed)
+            K_tjk  = Σ_{i ∈ window j} K_tik                           windowed kernel pooling
+            L_tjk  = log(1 + K_tjk)                                   log soft-TF (0 for an empty window)
+            f_tj   = MLP(L_tj)                                        a small MLP scores each window
+            s_t    = Σ_j f_tj / n_windows(d)^λ                        length normalisation, learned λ ∈ (0,1)
+
+        Computed in float32 (the exact-match kernel has σ = 10⁻³). Returns ``[B, T]``."""
+        cfg = self.config
+        q = F.normalize(term_vectors.float(), dim=-1, eps=1e-6)
+        if q.dim() == 2:
+            q = q.expand(len(doc), -1, -1)
+        w, s = cfg.pool_window, cfg.pool_stride
+        sim = torch.einsum("btc,bnc->btn", q, doc.vectors.float()) * doc.inv_norm[:, None, :]  # cosine
+        sim = pad_for_windows(sim, w, s, dim=-1)  # [B, T, n'] so that every window is complete
+        mask = pad_for_windows(doc.mask, w, s, dim=1)
+        k = self.kernels(sim, mask[:, None, :])  # [B, T, n, K]
+        feats = torch.log1p(windowed_soft_tf(k, w, s))  # [B, T, n_windows, K]
+        mlp_dtype = self.window_mlp[0].weight.dtype
+        f = self.window_mlp(feats.to(mlp_dtype)).squeeze(-1).float()  # [B, T, n_windows]
+        valid = window_mask(mask, w, s).to(f.dtype)  # [B, n_windows]
+        n_valid = valid.sum(-1).clamp(min=1)
+        lam = torch.sigmoid(self.len_norm_logit)
+        return (f * valid[:, None, :]).sum(-1) / n_valid[:, None] ** lam
+
+    def _combine(self, term_ids: torch.Tensor, term_vectors: torch.Tensor, doc: DocRepr,
+                 term_mask: torch.Tensor | None) -> torch.Tensor:
+        """s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b)  [B, T]."""
+        alpha = torch.sigmoid(self.alpha_logit)
+        s_exp = self.explicit_scores(term_ids, doc, term_mask)
+        s_imp = self.implicit_scores(term_vectors, doc)
+        return F.relu(alpha * s_exp + (1 - alpha) * s_imp + self.bias)
+
+    def term_scores(self, term_ids: torch.Tensor, doc: DocRepr, term_mask: torch.Tensor | None = None,
+                    chunk_size: int = 256) -> torch.Tensor:
+        """QTI per-term scores s_td of candidate terms against documents encoded once.
+
+        ``term_ids``: [T] (the same terms for every document) or [B, T]. Returns [B, T]. In eval mode
+        the terms are scored ``chunk_size`` at a time (memory), and Σ_t of the result over a query's
+        terms equals ``forward`` on that query. Requires ``config.qti``."""
+        if not self.config.qti:
+            raise ConfigError("term_scores needs a QTI model (CKConfig.qti=True): without QTI a "
+                              "term's score depends on the rest of the query")
+        T = term_ids.shape[-1]
+        if self.training or T <= chunk_size:
+            return self._combine(term_ids, self.encode_query_terms(term_ids), doc, term_mask)
+        out = []
+        for i in range(0, T, chunk_size):
+            ids = term_ids[..., i: i + chunk_size]
+            out.append(self._combine(ids, self.encode_query_terms(ids), doc, None))
+        return torch.cat(out, dim=-1)
+
+    # ----------------------------------------------------------------- query-document scores
+    def forward(self, query_ids: torch.Tensor, query_mask: torch.Tensor, doc_ids: torch.Tensor,
+                doc_mask: torch.Tensor) -> torch.Tensor:
+        """S_qd = Σ_{t ∈ q} s_td over the real query terms (QTI's decomposition). Returns [B]."""
+        query_mask = query_mask.bool()
+        doc = self.encode_documents(doc_ids, doc_mask)
+        q = self.encode_queries(query_ids, query_mask)
+        s = self._combine(query_ids, q, doc, query_mask)
+        return (s * query_mask.to(s.dtype)).sum(-1)
+
+    def tokenize_queries(self, queries: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokenize(queries, self.config.max_query_len, self.config.encoder)
+
+    def tokenize_documents(self, docs: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokenize(docs, self.config.max_doc_len, self.config.encoder)
+
+    @torch.no_grad()
+    def score_texts(self, queries: Sequence[str], docs: Sequence[str], batch_size: int = 16) -> torch.Tensor:
+        """Score (query, document) text pairs: tokenise (documents truncated to ``max_doc_len``),
+        run ``forward`` ``batch_size`` pairs at a time. Returns a CPU float32 tensor [B]."""
+        if len(queries) != len(docs):
+            raise ValueError(f"{len(queries)} queries but {len(docs)} documents")
+        out = []
+        for i in range(0, len(queries), batch_size):
+            q_ids, q_mask = self.tokenize_queries(queries[i: i + batch_size])
+            d_ids, d_mask = self.tokenize_documents(docs[i: i + batch_size])
+            dev = self.device
+            out.append(self(q_ids.to(dev), q_mask.to(dev), d_ids.to(dev), d_mask.to(dev)).float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    # ----------------------------------------------------------------- pairwise training
+    def pairwise_scores(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores of (query, positive) and (query, negative) from a ``CKCollator`` batch, computed as
+        one batch of 2B pairs so batch scaling sees positives and negatives together."""
+        B = batch["query_ids"].shape[0]
+        scores = self(batch["query_ids"].repeat(2, 1), batch["query_mask"].repeat(2, 1),
+                      torch.cat([batch["pos_ids"], batch["neg_ids"]]),
+                      torch.cat([batch["pos_mask"], batch["neg_mask"]]))
+        return scores[:B], scores[B:]
+
+
+def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """Softmax cross-entropy over [S(q, d+), S(q, d−)]: mean of −log softmax(pos) = softplus(neg − pos)."""
+    return F.softplus(neg.float() - pos.float()).mean()
+
+
+@dataclass
+class CKCollator:
+    """Turns training rows (a dict of numpy arrays with ``query``, ``pos_text``, ``neg_text``, as Ray
+    Data's ``iter_batches`` yields them) into tensors for ``CKModel.pairwise_scores``. Holds only the
+    config (picklable); the tokenizer is loaded once per process."""
+
+    config: CKConfig
+
+    def __call__(self, rows: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        queries = [str(x) for x in rows["query"]]
+        docs = [str(x) for x in rows["pos_text"]] + [str(x) for x in rows["neg_text"]]
+        q_ids, q_mask = tokenize(queries, cfg.max_query_len, cfg.encoder)
+        d_ids, d_mask = tokenize(docs, cfg.max_doc_len, cfg.encoder)  # one width for pos and neg
+        B = len(queries)
+        return {"query_ids": q_ids, "query_mask": q_mask, "pos_ids": d_ids[:B], "pos_mask": d_mask[:B],
+                "neg_ids": d_ids[B:], "neg_mask": d_mask[B:]}
+
+
+def small_config(**overrides) -> CKConfig:
+    """A tiny randomly initialised configuration for tests and smoke runs."""
+    base = CKConfig(vocab_size=1000, emb_dim=24, embedding_init="random", d_model=24, n_layers=2,
+                    n_heads=4, ff_dim=32, conv_window=3, n_kernels=11, pool_window=8,
+                    pool_stride=4, implicit_hidden=8, dropout=0.0, max_query_len=12, max_doc_len=256)
+    return replace(base, **overrides)
