@@ -75,35 +75,16 @@ def checkpoint_dir(workdir: str | os.PathLike, reranker: str) -> Path:
     return Path(workdir) / "checkpoints" / RERANKERS[reranker]
 
 
-class CheckpointReranker:
-    """Rerank with a trained checkpoint: in this process (``actors=0``, also what Serve uses) or as
-    Ray batch inference over an actor pool (``actors>=1``)."""
-
-    def __init__(self, path: str | os.PathLike, workdir: str | os.PathLike, actors: int = 0,
-                 batch_size: int = 16, use_gpu: bool = False):
-        from ckray.data.shards import DocStore
-        from ckray.models.checkpoint import load_model
-
-        self.path, self.actors, self.batch_size, self.use_gpu = Path(path), actors, batch_size, use_gpu
-        self.docs = DocStore(workdir)
-        self.model = load_model(self.path) if actors == 0 else None
-
-    def rerank(self, queries: dict[str, str], run: Run, depth: int) -> Run:
-        from ckray import rerank as rr
-
-        if self.model is not None:
-            import torch
-
-            with torch.inference_mode():
-                return rr.rerank_local(self.model, queries, run, self.docs.text, depth, batch_size=self.batch_size)
-        return rr.rerank(self.path, queries, run, self.docs.text, depth, batch_size=self.batch_size,
-                         num_actors=self.actors, num_gpus_per_actor=1 if self.use_gpu else None)
-
-
 def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker:
     if name not in RERANKERS:
         raise ConfigError(f"unknown reranker {name!r}; known: {', '.join(sorted(RERANKERS))}")
-    return CheckpointReranker(checkpoint_dir(workdir, name), workdir=workdir, **options)
+    from ckray.data.shards import DocStore
+    from ckray.models.checkpoint import read_checkpoint_config
+    from ckray.rerank import CheckpointReranker
+
+    path = checkpoint_dir(workdir, name)
+    read_checkpoint_config(path)  # a clear error now, not at the first query
+    return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, **options)
 
 
 @dataclass

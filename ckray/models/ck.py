@@ -222,7 +222,7 @@ class Encoder(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=0)
         self.proj = nn.Linear(cfg.emb_dim, cfg.d_model)
-        self.pos_scale = nn.Parameter(torch.tensor(0.5 / math.sqrt(cfg.d_model / 2)))
+        self.pos_scale = nn.Parameter(torch.tensor([0.5 / math.sqrt(cfg.d_model / 2)]))  # shape (1,): DeepSpeed cannot broadcast 0-d
         self.blocks = nn.ModuleList(ConformerBlock(cfg) for _ in range(cfg.n_layers))
 
     def terms(self, ids: torch.Tensor) -> torch.Tensor:
@@ -369,16 +369,16 @@ class CKModel(nn.Module):
         self.register_buffer("idf", torch.ones(cfg.vocab_size))
         self.bs_tf = BatchScale(cfg.bs_momentum, cfg.eps)
         self.bs_len = BatchScale(cfg.bs_momentum, cfg.eps)
-        self.len_w = nn.Parameter(torch.tensor(0.75))
-        self.len_b = nn.Parameter(torch.tensor(0.25))
+        self.len_w = nn.Parameter(torch.tensor([0.75]))
+        self.len_b = nn.Parameter(torch.tensor([0.25]))
         # implicit matching (Eq. 11-16)
         self.kernels = RBFKernels(cfg.n_kernels, cfg.kernel_sigma)
         self.window_mlp = nn.Sequential(nn.Linear(cfg.n_kernels, cfg.implicit_hidden), nn.ReLU(),
                                         nn.Linear(cfg.implicit_hidden, 1))
-        self.len_norm_logit = nn.Parameter(torch.zeros(()))  # λ = sigmoid(·) in Eq. 16, 0.5 at init
+        self.len_norm_logit = nn.Parameter(torch.zeros(1))  # λ = sigmoid(·) in Eq. 16, 0.5 at init
         # combination: s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b), α = sigmoid(alpha_logit)
-        self.alpha_logit = nn.Parameter(torch.zeros(()))
-        self.bias = nn.Parameter(torch.tensor(0.1))  # > 0: every term starts alive under the ReLU
+        self.alpha_logit = nn.Parameter(torch.zeros(1))
+        self.bias = nn.Parameter(torch.tensor([0.1]))  # > 0: every term starts alive under the ReLU
         self._init_weights()
 
     # ----------------------------------------------------------------- initialisation

@@ -1,0 +1,454 @@
+"""CEDR: contextualised embeddings for document ranking (MacAvaney, Yates, Cohan, Goharian, SIGIR 2019).
+
+One BERT pass over ``[CLS] query [SEP] doc-segment [SEP]`` gives, for every layer ``l`` (the
+embedding layer and each transformer layer), contextual vectors of the query and document
+tokens. CEDR feeds them to classic interaction rankers:
+
+* **Similarity tensor (Eq. 1).** ``S[l, q, d] = cos(ctx(q, l), ctx(d, l))`` for every query token
+  ``q``, document token ``d`` and layer ``l``; the layers are the channels that the ranker sees.
+  Padding (query slots past the query, document slots past the document) is zero.
+* **Long documents (Section 2.2/3.1).** BERT reads at most ``max_length`` (512) word pieces, query
+  included, so a document is split into equal segments that each fit with the query. All segments
+  of a batch go through the encoder in one pass; the [CLS] vector is averaged over a document's
+  segments and the per-segment similarity matrices are concatenated along the document axis, so the
+  ranker sees one matrix over the whole document (each segment with the query contextualised in
+  that segment).
+* **Joint approach (Section 2.3).** BERT's [CLS] vector is added as an extra input to each
+  ranker's final combination:
+    - ``knrm``:  RBF kernels per layer (K-NRM), log soft-TF summed over query terms, the
+      ``(L+1)·K`` kernel features concatenated with [CLS] → linear score;
+    - ``pacrr``: n×n convolutions (n = 1..lg) over the layer channels, max over filters, k-max
+      pooling along the document per query term (PACRR-firstk), the per-term signals of all query
+      slots concatenated with [CLS] → dense layers;
+    - ``drmm``:  log-count matching histograms per query term and layer (DRMM-LCH), each term's
+      histograms concatenated with [CLS] → feed-forward matching network → term score, combined by
+      the term-gating network (softmax over the query terms' embedding-layer vectors);
+    - ``vanilla``: the "Vanilla BERT" ranker of Section 3: [CLS] → linear.
+* **Layer truncation (Section 4, "speed").** ``num_layers=L`` keeps only the first ``L`` encoder
+  layers, so ``S`` has ``L+1`` channels and the forward pass costs about ``L/12`` (``L/6`` for MiniLM).
+
+Training is pairwise (Section 3.1): a query with a relevant and a non-relevant document; the loss is
+the softmax cross-entropy over the pair's two scores (``loss="softmax"``) or a margin hinge
+(``loss="hinge"``). Rows come as a dict of numpy arrays with ``query, pos_text, neg_text``
+(``CEDRRanker.collate_pairs``). Section 3.1 trains the encoder with a smaller learning rate than
+the ranker head: see ``CEDRRanker.param_groups``.
+
+Training on the shared loop: ``CEDRTask`` is the ``ckray.train.RankerTask`` for ``ckray.train.fit``
+(collate = ``collate_pairs`` on the triples' ``query, pos_text, neg_text``; loss = the pairwise loss;
+score = ``score_texts``). Note: the shared loop uses one learning rate for all parameters, so the
+paper's two rates (``param_groups``) are not applied there.
+
+Implementation choices not fixed by the paper (all in ``CEDRConfig``): query truncated to
+``max_query_len`` word pieces and kept in a fixed number of query slots (PACRR's dense layers need a
+fixed input size); K-NRM features scaled by ``knrm_feature_scale`` (keeps initial scores O(1);
+equivalent to a smaller initial weight); DRMM histograms are hard counts as in DRMM, so for that
+variant the encoder learns through [CLS] (and the gating embeddings) only; all ranker heads run in
+fp32 even under autocast (the exact-match kernel has σ = 1e-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckray.models.encoders import DEFAULT_ENCODER, encoder_config, load_encoder, load_tokenizer
+from ckray.models.kernels import RBFKernels, log_soft_tf
+
+VARIANTS = ("knrm", "pacrr", "drmm", "vanilla")
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class CEDRConfig:
+    """Hyperparameters of a CEDR ranker (saved in the checkpoint's ``config.json``)."""
+
+    variant: str = "knrm"                  # knrm | pacrr | drmm | vanilla
+    encoder: str = DEFAULT_ENCODER         # HF id or directory of a BERT-style encoder
+    num_layers: int | None = None          # keep only the first L encoder layers (None: all)
+    max_length: int = 512                  # word pieces per encoder input, query and specials included
+    max_query_len: int = 32                # query word pieces kept (= query slots of S)
+    max_segments: int = 4                  # document segments per document (the rest is truncated)
+    # CEDR-KNRM
+    n_kernels: int = 11
+    kernel_sigma: float = 0.1
+    knrm_feature_scale: float = 0.01
+    # CEDR-PACRR
+    pacrr_max_ngram: int = 3               # lg: n-gram sizes 1..lg
+    pacrr_filters: int = 32                # nf filters per n-gram size
+    pacrr_kmax: int = 2                    # ns: k-max pooling along the document
+    pacrr_hidden: int = 32
+    # CEDR-DRMM
+    drmm_bins: int = 30
+    drmm_hidden: int = 32
+    # shared
+    dropout: float = 0.1                   # on the [CLS] vector during training
+    loss: str = "softmax"                  # pairwise loss: softmax | hinge
+    margin: float = 1.0                    # hinge margin
+    tokenizer: str | None = None           # defaults to ``encoder``
+    random_init: dict | None = None        # BertConfig kwargs: a randomly initialised encoder (tests)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.loss not in ("softmax", "hinge"):
+            raise ValueError(f"loss must be 'softmax' or 'hinge', got {self.loss!r}")
+        if self.max_length < self.max_query_len + 4:
+            raise ValueError("max_length must leave room for the query, 3 special tokens and a document token")
+        if self.max_segments < 1:
+            raise ValueError("max_segments must be at least 1")
+
+
+@dataclass
+class CEDREncoding:
+    """What the rankers read from one encoder pass (B documents, L+1 layers, Q query slots, D doc slots)."""
+
+    sim: torch.Tensor | None     # [B, L+1, Q, D] cosine similarities, padding zeroed (Eq. 1);
+                                 # Q = the batch's longest query, D = its longest document
+    query_mask: torch.Tensor     # [B, Q] bool
+    doc_mask: torch.Tensor       # [B, D] bool
+    cls: torch.Tensor            # [B, H] last-layer [CLS], averaged over segments
+    query_emb: torch.Tensor      # [B, Q, H] embedding-layer (non-contextual) query vectors
+
+
+def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", margin: float = 1.0) -> torch.Tensor:
+    """Mean pairwise loss over (relevant, non-relevant) score pairs.
+
+    ``softmax``: cross-entropy of the relevant document under a softmax over the pair,
+    ``-log(e^pos / (e^pos + e^neg)) = softplus(neg - pos)``; ``hinge``: ``max(0, margin - pos + neg)``.
+    """
+    if kind == "softmax":
+        return F.softplus(neg - pos).mean()
+    if kind == "hinge":
+        return F.relu(margin - pos + neg).mean()
+    raise ValueError(f"unknown pairwise loss {kind!r}")
+
+
+def matching_histogram(sim: torch.Tensor, doc_mask: torch.Tensor, bins: int) -> torch.Tensor:
+    """DRMM's matching histogram: counts of ``sim[..., q, d]`` (``[B, L, Q, D]``) in ``bins``
+    equal-width bins over [-1, 1] (1.0 falls in the last bin), per (layer, query term); padded
+    document slots are not counted. Hard counts, so no gradient flows to ``sim``. → ``[B, L, Q, bins]``."""
+    sim = sim.detach()
+    idx = ((sim + 1) / 2 * bins).floor().long().clamp(0, bins - 1)
+    real = doc_mask[:, None, None, :].expand_as(sim).to(sim.dtype)
+    return sim.new_zeros(*sim.shape[:3], bins).scatter_add_(-1, idx, real)
+
+
+def _as_str_list(x: Iterable[Any]) -> list[str]:
+    return [str(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
+
+
+def tokenize_pairs(tokenizer: Any, config: CEDRConfig, queries: Iterable[str], docs: Iterable[str]) -> Batch:
+    """Tokenise (query, document) pairs into one encoder batch of all their segments.
+
+    Each document of length ``n`` with a query of ``m`` word pieces is cut into
+    ``s = ceil(n / c)`` equal segments of ``ceil(n / s)`` tokens, ``c = max_length - m - 3``
+    (at most ``max_segments``; the document is truncated to ``max_segments · c`` first).
+    The split depends only on the pair, never on the rest of the batch.
+
+    Returns tensors: ``input_ids, token_type_ids, attention_mask`` ``[R, T]`` (R segment rows),
+    ``row_example`` ``[R]`` (the pair each row belongs to), ``query_len`` ``[B]``,
+    ``first_row`` ``[B]``, and ``doc_row, doc_pos, doc_mask`` ``[B, D]`` (where each document
+    token of the concatenated document sits in the rows).
+    """
+    cfg, tok = config, tokenizer
+    queries, docs = _as_str_list(queries), _as_str_list(docs)
+    if len(queries) != len(docs):
+        raise ValueError(f"{len(queries)} queries but {len(docs)} documents")
+    q_ids = tok(queries, add_special_tokens=False, truncation=True,
+                max_length=cfg.max_query_len)["input_ids"] if queries else []
+    doc_cap = cfg.max_segments * (cfg.max_length - 4)
+    d_ids = tok(docs, add_special_tokens=False, truncation=True, max_length=doc_cap)["input_ids"] if docs else []
+    cls_id, sep_id, pad_id = tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
+
+    rows, types, row_example, first_row, doc_locs = [], [], [], [], []
+    for b, (q, d) in enumerate(zip(q_ids, d_ids)):
+        cap = cfg.max_length - len(q) - 3
+        d = d[: cfg.max_segments * cap]
+        n_seg = max(1, math.ceil(len(d) / cap))
+        size = max(1, math.ceil(len(d) / n_seg))
+        first_row.append(len(rows))
+        locs = []
+        for s in range(n_seg):
+            seg = d[s * size:(s + 1) * size]
+            start = len(q) + 2
+            locs.extend((len(rows), start + j) for j in range(len(seg)))
+            rows.append([cls_id, *q, sep_id, *seg, sep_id])
+            types.append([0] * (len(q) + 2) + [1] * (len(seg) + 1))
+            row_example.append(b)
+        doc_locs.append(locs)
+
+    n_rows, bsz = len(rows), len(q_ids)
+    t = max((len(r) for r in rows), default=1)
+    d_max = max((len(x) for x in doc_locs), default=0)
+    d_max = max(d_max, 1)
+    input_ids = torch.full((n_rows, t), pad_id, dtype=torch.long)
+    token_type_ids = torch.zeros((n_rows, t), dtype=torch.long)
+    attention_mask = torch.zeros((n_rows, t), dtype=torch.long)
+    for r, (ids, ty) in enumerate(zip(rows, types)):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        token_type_ids[r, : len(ty)] = torch.tensor(ty)
+        attention_mask[r, : len(ids)] = 1
+    doc_row = torch.zeros((bsz, d_max), dtype=torch.long)
+    doc_pos = torch.zeros((bsz, d_max), dtype=torch.long)
+    doc_mask = torch.zeros((bsz, d_max), dtype=torch.bool)
+    for b, locs in enumerate(doc_locs):
+        if locs:
+            loc = torch.tensor(locs)
+            doc_row[b, : len(locs)], doc_pos[b, : len(locs)] = loc[:, 0], loc[:, 1]
+            doc_mask[b, : len(locs)] = True
+    return {
+        "input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask,
+        "row_example": torch.tensor(row_example, dtype=torch.long),
+        "first_row": torch.tensor(first_row, dtype=torch.long),
+        "query_len": torch.tensor([len(q) for q in q_ids], dtype=torch.long),
+        "doc_row": doc_row, "doc_pos": doc_pos, "doc_mask": doc_mask,
+    }
+
+
+def collate_pairs(tokenizer: Any, config: CEDRConfig, rows: Mapping[str, Any]) -> Batch:
+    """Training rows (dict of arrays with ``query, pos_text, neg_text``) → one batch of 2N pairs:
+    the N (query, positive) pairs first, then the N (query, negative) pairs."""
+    q = _as_str_list(rows["query"])
+    return tokenize_pairs(tokenizer, config, q + q,
+                          _as_str_list(rows["pos_text"]) + _as_str_list(rows["neg_text"]))
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' load report / progress bars (truncated encoders report unused layers)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
+
+
+class CEDRRanker(nn.Module):
+    """CEDR-KNRM / CEDR-PACRR / CEDR-DRMM, or the vanilla BERT ranker, over one BERT encoder."""
+
+    def __init__(self, config: CEDRConfig):
+        super().__init__()
+        self.config = config
+        with _quiet_transformers():
+            if config.random_init is not None:
+                from transformers import BertConfig, BertModel
+
+                kw = dict(config.random_init)
+                if config.num_layers is not None:
+                    kw["num_hidden_layers"] = config.num_layers
+                self.encoder = BertModel(BertConfig(**kw), add_pooling_layer=False)
+            else:
+                available = encoder_config(config.encoder).num_hidden_layers
+                if config.num_layers is not None and not 1 <= config.num_layers <= available:
+                    raise ValueError(f"num_layers={config.num_layers}: {config.encoder} has {available} layers")
+                self.encoder = load_encoder(config.encoder, num_layers=config.num_layers)
+        self.encoder.pooler = None  # unused: CEDR reads the raw [CLS] vector
+        enc = self.encoder.config
+        if config.max_length > enc.max_position_embeddings:
+            raise ValueError(f"max_length {config.max_length} exceeds the encoder's "
+                             f"{enc.max_position_embeddings} positions")
+        self.tokenizer = load_tokenizer(config.tokenizer or config.encoder)
+        hidden = enc.hidden_size
+        self.n_channels = enc.num_hidden_layers + 1  # embedding layer + each transformer layer
+        self.cls_dropout = nn.Dropout(config.dropout)
+        v = config.variant
+        if v == "knrm":
+            self.kernels = RBFKernels(config.n_kernels, config.kernel_sigma)
+            self.knrm_out = nn.Linear(self.n_channels * config.n_kernels + hidden, 1)
+        elif v == "pacrr":
+            self.ngram_convs = nn.ModuleList(
+                nn.Conv2d(self.n_channels, config.pacrr_filters, kernel_size=n)
+                for n in range(1, config.pacrr_max_ngram + 1))
+            n_in = config.max_query_len * config.pacrr_max_ngram * config.pacrr_kmax + hidden
+            self.pacrr_mlp = nn.Sequential(
+                nn.Linear(n_in, config.pacrr_hidden), nn.ReLU(),
+                nn.Linear(config.pacrr_hidden, config.pacrr_hidden), nn.ReLU(),
+                nn.Linear(config.pacrr_hidden, 1))
+        elif v == "drmm":
+            self.drmm_ffn = nn.Sequential(
+                nn.Linear(self.n_channels * config.drmm_bins + hidden, config.drmm_hidden), nn.Tanh(),
+                nn.Linear(config.drmm_hidden, 1))
+            self.drmm_gate = nn.Linear(hidden, 1, bias=False)
+        else:
+            self.vanilla_out = nn.Linear(hidden, 1)
+
+    # ------------------------------------------------------------------ tokenisation
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def tokenize_pairs(self, queries: Iterable[str], docs: Iterable[str]) -> Batch:
+        """Tokenise (query, document) pairs into one encoder batch (see module-level ``tokenize_pairs``)."""
+        return tokenize_pairs(self.tokenizer, self.config, queries, docs)
+
+    def collate_pairs(self, rows: Mapping[str, Any]) -> Batch:
+        """Training rows (dict of arrays with ``query, pos_text, neg_text``) → one batch of 2N pairs."""
+        return collate_pairs(self.tokenizer, self.config, rows)
+
+    # ------------------------------------------------------------------ encoder → S (Eq. 1)
+    def encode(self, batch: Batch, with_sim: bool = True) -> CEDREncoding:
+        """Run the encoder over all segment rows once and build ``S`` (Eq. 1) and the [CLS] vector."""
+        dev = self.device
+        batch = {k: v.to(dev) for k, v in batch.items()}
+        out = self.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           token_type_ids=batch["token_type_ids"], output_hidden_states=True)
+        with torch.autocast(device_type=dev.type, enabled=False):
+            first, last = out.hidden_states[0].float(), out.hidden_states[-1].float()
+            n_rows, t = last.shape[0], last.shape[1]
+            bsz = batch["query_len"].shape[0]
+            # query slots: as many as the batch's longest query (padded slots would only add zeros);
+            # PACRR pads S back to ``max_query_len`` slots for its fixed-size dense layers
+            n_q = max(1, int(batch["query_len"].max())) if bsz else 1
+            slots = torch.arange(n_q, device=dev)
+            query_mask = slots[None, :] < batch["query_len"][:, None]      # [B, Q]
+            doc_mask = batch["doc_mask"]                                    # [B, D]
+
+            # [CLS] of the last layer, averaged over each document's segments (Section 3.1)
+            row_ex = batch["row_example"]
+            cls_sum = torch.zeros(bsz, last.shape[-1], device=dev).index_add_(0, row_ex, last[:, 0])
+            n_seg = torch.zeros(bsz, device=dev).index_add_(0, row_ex, torch.ones(n_rows, device=dev))
+            cls = cls_sum / n_seg.clamp(min=1)[:, None]
+
+            qpos = (slots + 1).clamp(max=t - 1)                             # query tokens at 1..m
+            query_emb = first[batch["first_row"]][:, qpos]                  # [B, Q, H]
+            sim = None
+            if with_sim:
+                hs = torch.stack([h.float() for h in out.hidden_states])  # [L+1, R, T, H]
+                unit = F.normalize(hs, dim=-1, eps=1e-8)
+                row_sim = torch.einsum("lrqh,lrth->lrqt", unit[:, :, qpos], unit)   # [L+1, R, Q, T]
+                # per-segment matrices → one matrix over the concatenated document
+                sim = row_sim[:, batch["doc_row"], :, batch["doc_pos"]]     # [B, D, L+1, Q]
+                sim = sim.permute(0, 2, 3, 1)                               # [B, L+1, Q, D]
+                pair_mask = query_mask[:, None, :, None] & doc_mask[:, None, None, :]
+                sim = sim * pair_mask.to(sim.dtype)                         # padding zeroed
+        return CEDREncoding(sim=sim, query_mask=query_mask, doc_mask=doc_mask, cls=cls, query_emb=query_emb)
+
+    # ------------------------------------------------------------------ ranker heads
+    def _knrm(self, e: CEDREncoding, cls: torch.Tensor) -> torch.Tensor:
+        """K-NRM per layer: Σ_q log Σ_d K_k(S[l, q, d]) → (L+1)·K features, joined with [CLS]."""
+        feats = []
+        qm = e.query_mask.to(e.sim.dtype)
+        for layer in range(e.sim.shape[1]):
+            k = self.kernels(e.sim[:, layer], e.doc_mask[:, None, :])   # [B, Q, D, K]
+            feats.append((log_soft_tf(k) * qm[..., None]).sum(dim=1))   # [B, K]
+        phi = torch.cat(feats, dim=-1) * self.config.knrm_feature_scale
+        return self.knrm_out(torch.cat([phi, cls], dim=-1)).squeeze(-1)
+
+    def _pacrr(self, e: CEDREncoding, cls: torch.Tensor) -> torch.Tensor:
+        """PACRR-firstk: n×n convolutions over the layer channels, max over filters, k-max along the
+        document per query term; all query slots' signals and [CLS] → dense layers."""
+        k_max = self.config.pacrr_kmax
+        d_len = e.sim.shape[-1]
+        q_pad = self.config.max_query_len - e.sim.shape[2]
+        sim = F.pad(e.sim, (0, 0, 0, q_pad))                            # fixed query slots
+        query_mask = F.pad(e.query_mask, (0, q_pad), value=False)
+        signals = []
+        for n, conv in enumerate(self.ngram_convs, start=1):
+            x = F.pad(sim, (0, n - 1, 0, n - 1))                        # n-grams starting at (q, d)
+            m = F.relu(conv(x)).amax(dim=1)                             # [B, Q, D]
+            m = m.masked_fill(~e.doc_mask[:, None, :], float("-inf"))
+            top = m.topk(min(k_max, d_len), dim=-1).values
+            if top.shape[-1] < k_max:
+                top = F.pad(top, (0, k_max - top.shape[-1]), value=float("-inf"))
+            signals.append(torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        per_term = torch.cat(signals, dim=-1) * query_mask[..., None].to(sim.dtype)  # [B, Q, lg·k]
+        return self.pacrr_mlp(torch.cat([per_term.flatten(1), cls], dim=-1)).squeeze(-1)
+
+    def _drmm(self, e: CEDREncoding, cls: torch.Tensor) -> torch.Tensor:
+        """DRMM: log-count histograms of S per (query term, layer), joined with [CLS], through the
+        feed-forward matching network; term scores combined by softmax term gating."""
+        hist = torch.log1p(matching_histogram(e.sim, e.doc_mask, self.config.drmm_bins))  # LCH
+        hist = hist.permute(0, 2, 1, 3).flatten(2)                      # [B, Q, (L+1)·bins]
+        n_q = hist.shape[1]
+        x = torch.cat([hist, cls[:, None, :].expand(-1, n_q, -1)], dim=-1)
+        term = self.drmm_ffn(x).squeeze(-1)                             # [B, Q]
+        gate = self.drmm_gate(e.query_emb).squeeze(-1).masked_fill(~e.query_mask, -1e4)
+        weight = torch.softmax(gate, dim=-1) * e.query_mask.to(term.dtype)
+        return (weight * term).sum(dim=-1)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Scores ``[B]`` for a batch from ``tokenize_pairs``."""
+        e = self.encode(batch, with_sim=self.config.variant != "vanilla")
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            cls = self.cls_dropout(e.cls)
+            v = self.config.variant
+            if v == "knrm":
+                return self._knrm(e, cls)
+            if v == "pacrr":
+                return self._pacrr(e, cls)
+            if v == "drmm":
+                return self._drmm(e, cls)
+            return self.vanilla_out(cls).squeeze(-1)
+
+    # ------------------------------------------------------------------ training / scoring API
+    def pairwise_loss(self, batch: Batch) -> torch.Tensor:
+        """Loss of a ``collate_pairs`` batch (first half positives, second half negatives)."""
+        scores = self.forward(batch)
+        n = scores.shape[0] // 2
+        return pairwise_loss(scores[:n], scores[n:], self.config.loss, self.config.margin)
+
+    @torch.inference_mode()
+    def score_texts(self, queries: list[str], docs: list[str]) -> torch.Tensor:
+        """Scores ``[B]`` (on the CPU, fp32) of (query, document) pairs; no gradient. Call ``eval()`` first
+        for deterministic scores (``load_model`` returns the model in eval mode)."""
+        if not len(queries):
+            return torch.zeros(0)
+        return self.forward(self.tokenize_pairs(queries, docs)).float().cpu()
+
+    def param_groups(self, encoder_lr: float = 2e-5, head_lr: float = 1e-3) -> list[dict]:
+        """Optimizer groups: the encoder fine-tuned gently, the ranker head faster (Section 3.1)."""
+        enc = [p for n, p in self.named_parameters() if n.startswith("encoder.")]
+        head = [p for n, p in self.named_parameters() if not n.startswith("encoder.")]
+        return [{"params": enc, "lr": encoder_lr}, {"params": head, "lr": head_lr}]
+
+
+def build_cedr(variant: str = "knrm", **kwargs: Any) -> CEDRRanker:
+    """Shorthand: ``build_cedr("pacrr", num_layers=3)``."""
+    return CEDRRanker(CEDRConfig(variant=variant, **kwargs))
+
+
+def _ranker_task_base() -> type:
+    try:
+        from ckray.train import RankerTask
+    except ImportError:  # pragma: no cover - the shared loop is part of the package
+        return object
+    return RankerTask
+
+
+@dataclass
+class CEDRTask(_ranker_task_base()):
+    """CEDR for :func:`ckray.train.fit`: pairwise loss on (query, relevant, BM25 negative) triples;
+    dev validation reranks BM25 candidates with the model alone."""
+
+    model_config: CEDRConfig = field(default_factory=CEDRConfig)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            v = self.model_config.variant
+            self.name = "vanilla-bert" if v == "vanilla" else f"cedr-{v}"
+
+    def build_model(self) -> CEDRRanker:
+        return CEDRRanker(self.model_config)
+
+    def collate(self, rows: Mapping[str, np.ndarray]) -> Batch:
+        cfg = self.model_config
+        return collate_pairs(load_tokenizer(cfg.tokenizer or cfg.encoder), cfg, rows)
+
+    def loss(self, model: CEDRRanker, batch: Batch) -> torch.Tensor:
+        return model.pairwise_loss(batch)
+
+    def score(self, model: CEDRRanker, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
+        return model.score_texts(queries, docs)

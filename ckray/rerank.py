@@ -1,0 +1,195 @@
+"""Reranking a first-stage run with any ``score_texts`` model: in process, or as Ray batch inference.
+
+The model is anything with ``score_texts(queries: list[str], docs: list[str]) -> Tensor[B]`` that
+``ckray.models.checkpoint.load_model`` rebuilds from a checkpoint directory (CEDR today,
+QDS-Transformer later). Both entry points take the same inputs and give the same run:
+
+* ``queries``: ``dict[qid, text]``;
+* ``run``: the first stage, ``dict[qid, list[(doc_id, score)]]``;
+* ``doc_text``: ``dict[doc_id, text]`` or a callable ``doc_id -> text`` (e.g. ``DocStore``);
+* ``depth``: how many of each query's top first-stage documents the model rescores.
+
+The top ``depth`` documents of every query are replaced by the model's scores and sorted; the
+documents below ``depth`` keep their first-stage order after them, with scores rewritten to lie
+below the lowest reranked score (a run must stay sorted by score: evaluation tools sort by it).
+
+``rerank`` builds one ``ray.data.Dataset`` of ``(qid, doc_id, query, doc)`` rows and maps it with an
+actor pool (``ActorPoolStrategy``): each actor loads the checkpoint once and scores batches of
+``batch_size`` pairs, on a GPU when ``num_gpus_per_actor`` is set (bf16 autocast there).
+``rerank_local`` scores in the calling process, for small inputs, tests and serving.
+``CheckpointReranker`` wraps either behind the DESIGN contract ``rerank(queries, run, depth) -> run``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+Run = dict[str, list[tuple[str, float]]]
+DocText = Mapping[str, str] | Callable[[str], str]
+
+
+def _lookup(doc_text: DocText) -> Callable[[str], str]:
+    if callable(doc_text) and not isinstance(doc_text, Mapping):
+        return doc_text
+
+    def get(doc_id: str) -> str:
+        try:
+            return doc_text[doc_id]
+        except KeyError:
+            raise KeyError(f"no text for document {doc_id!r} in the doc-text lookup") from None
+
+    return get
+
+
+def _sorted(docs: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    return sorted(docs, key=lambda x: -float(x[1]))  # stable: ties keep their order
+
+
+def rerank_pairs(queries: Mapping[str, str], run: Run, doc_text: DocText, depth: int,
+                 sort_by_length: bool = True) -> list[dict[str, str]]:
+    """The ``(qid, doc_id, query, doc)`` rows to score: each query's top ``depth`` documents.
+
+    With ``sort_by_length`` rows are ordered by text length so batches hold pairs of similar length
+    (less padding; scores do not depend on the batch).
+    """
+    if depth < 0:
+        raise ValueError("depth must be >= 0")
+    text = _lookup(doc_text)
+    rows = []
+    for qid, docs in run.items():
+        if qid not in queries:
+            raise KeyError(f"query {qid!r} is in the run but not in queries")
+        for doc_id, _ in _sorted(docs)[:depth]:
+            rows.append({"qid": str(qid), "doc_id": str(doc_id), "query": queries[qid], "doc": text(doc_id)})
+    if sort_by_length:
+        rows.sort(key=lambda r: len(r["query"]) + len(r["doc"]))
+    return rows
+
+
+def merge_scores(run: Run, scores: Mapping[tuple[str, str], float], depth: int) -> Run:
+    """Top ``depth`` of each query rescored and sorted; the rest kept after them, in their order."""
+    out: Run = {}
+    for qid, docs in run.items():
+        docs = _sorted(docs)
+        top = _sorted([(d, float(scores[(str(qid), str(d))])) for d, _ in docs[:depth]])
+        floor = top[-1][1] if top else 0.0
+        tail = [(d, floor - 1.0 - i) for i, (d, _) in enumerate(docs[depth:])]
+        out[qid] = top + tail
+    return out
+
+
+def _score_rows(model: Any, rows: list[dict[str, str]], batch_size: int) -> dict[tuple[str, str], float]:
+    scores: dict[tuple[str, str], float] = {}
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        s = model.score_texts([r["query"] for r in chunk], [r["doc"] for r in chunk])
+        for r, v in zip(chunk, torch.as_tensor(s).float().tolist()):
+            scores[(r["qid"], r["doc_id"])] = v
+    return scores
+
+
+def rerank_local(model: Any, queries: Mapping[str, str], run: Run, doc_text: DocText,
+                 depth: int = 100, batch_size: int = 16) -> Run:
+    """Rerank in this process with an already-loaded model (call ``model.eval()`` first)."""
+    rows = rerank_pairs(queries, run, doc_text, depth)
+    return merge_scores(run, _score_rows(model, rows, batch_size), depth)
+
+
+class PairScorer:
+    """A Ray Data actor: loads the checkpoint once, then scores batches of (query, doc) rows."""
+
+    def __init__(self, model_path: str, use_gpu: bool = False, torch_threads: int | None = None):
+        from ckray.models.checkpoint import load_model
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
+        self.model = load_model(model_path, map_location="cpu").to(self.device).eval()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        queries = [str(x) for x in batch["query"]]
+        docs = [str(x) for x in batch["doc"]]
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            scores = self.model.score_texts(queries, docs)
+        return {"qid": batch["qid"], "doc_id": batch["doc_id"],
+                "score": torch.as_tensor(scores).float().cpu().numpy().astype(np.float64)}
+
+
+def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, doc_text: DocText,
+           depth: int = 100, *, batch_size: int = 16, num_actors: int = 1,
+           num_cpus_per_actor: float = 1.0, num_gpus_per_actor: float | None = None) -> Run:
+    """Rerank as Ray batch inference: ``Dataset`` of pairs → ``map_batches`` on an actor pool.
+
+    Uses the running Ray cluster (or starts a local one). ``num_gpus_per_actor`` (e.g. 1 or 0.5)
+    places each actor on a GPU; without it the actors score on CPUs with ``num_cpus_per_actor`` threads.
+    """
+    import ray
+    import ray.data
+
+    rows = rerank_pairs(queries, run, doc_text, depth)
+    if not rows:
+        return merge_scores(run, {}, depth)
+    if not ray.is_initialized():
+        from ckray.ray_env import init_ray
+
+        init_ray()
+    use_gpu = bool(num_gpus_per_actor)
+    n_blocks = max(1, min(len(rows) // max(1, batch_size), 4 * num_actors))
+    ds = ray.data.from_items(rows, override_num_blocks=n_blocks)
+    remote: dict[str, Any] = {"num_cpus": num_cpus_per_actor}
+    if use_gpu:
+        remote["num_gpus"] = num_gpus_per_actor
+    scored = ds.map_batches(
+        PairScorer,
+        fn_constructor_kwargs={"model_path": str(model_path), "use_gpu": use_gpu,
+                               "torch_threads": None if use_gpu else max(1, int(num_cpus_per_actor))},
+        batch_size=batch_size,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=num_actors),
+        **remote,
+    )
+    scores = {(str(r["qid"]), str(r["doc_id"])): float(r["score"])
+              for r in scored.select_columns(["qid", "doc_id", "score"]).iter_rows()}
+    if len(scores) != len({(r["qid"], r["doc_id"]) for r in rows}):
+        raise RuntimeError(f"Ray reranking returned {len(scores)} scores for {len(rows)} pairs")
+    return merge_scores(run, scores, depth)
+
+
+@dataclass
+class CheckpointReranker:
+    """A reranker over a checkpoint directory with the DESIGN contract ``rerank(queries, run, depth)``.
+
+    ``use_ray=False`` loads the model once in this process (serving, small runs); ``use_ray=True``
+    runs every call as Ray batch inference on an actor pool (``rerank``).
+    """
+
+    model_path: str
+    doc_text: DocText
+    batch_size: int = 16
+    use_ray: bool = False
+    num_actors: int = 1
+    num_cpus_per_actor: float = 1.0
+    num_gpus_per_actor: float | None = None
+    _model: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            from ckray.device import default_device
+            from ckray.models.checkpoint import load_model
+
+            self._model = load_model(self.model_path).to(default_device()).eval()
+        return self._model
+
+    def rerank(self, queries: Mapping[str, str], run: Run, depth: int = 100) -> Run:
+        if self.use_ray:
+            return rerank(self.model_path, queries, run, self.doc_text, depth, batch_size=self.batch_size,
+                          num_actors=self.num_actors, num_cpus_per_actor=self.num_cpus_per_actor,
+                          num_gpus_per_actor=self.num_gpus_per_actor)
+        return rerank_local(self.model, queries, run, self.doc_text, depth, self.batch_size)

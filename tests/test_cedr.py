@@ -1,0 +1,228 @@
+"""CEDR (MacAvaney et al., SIGIR 2019): similarity tensor, padding, segments, variants, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ckray.models.cedr import VARIANTS, CEDRConfig, CEDRRanker, matching_histogram, pairwise_loss
+from ckray.models.checkpoint import load_model, save_model
+
+TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=64)
+QUERIES = ["does vitamin d deficiency cause bone fractures", "gene expression in tumour cells"]
+DOCS = [
+    "vitamin d deficiency weakens bones and raises the risk of fractures in older adults " * 3,
+    "tumour cells show altered gene expression",
+]
+
+
+def tiny(variant: str = "knrm", seed: int = 0, **kw) -> CEDRRanker:
+    torch.manual_seed(seed)
+    cfg = dict(variant=variant, random_init=TINY, max_length=32, max_query_len=8, max_segments=4)
+    cfg.update(kw)
+    return CEDRRanker(CEDRConfig(**cfg)).eval()
+
+
+@pytest.fixture(autouse=True)
+def _tokenizer(minilm_path):
+    """Every model here uses the MiniLM WordPiece tokenizer (the tiny encoders are random)."""
+
+
+def _expected_segments(model: CEDRRanker, query: str, doc: str) -> tuple[list[int], list[list[int]]]:
+    """The split the paper prescribes, recomputed independently: equal segments that fit with the query."""
+    tok, cfg = model.tokenizer, model.config
+    q = tok(query, add_special_tokens=False)["input_ids"][: cfg.max_query_len]
+    d = tok(doc, add_special_tokens=False)["input_ids"]
+    cap = cfg.max_length - len(q) - 3
+    d = d[: cfg.max_segments * cap]
+    n = max(1, math.ceil(len(d) / cap))
+    size = math.ceil(len(d) / n)
+    return q, [d[i * size:(i + 1) * size] for i in range(n)]
+
+
+def test_similarity_tensor_is_per_layer_cosine_over_concatenated_segments():
+    model = tiny()
+    batch = model.tokenize_pairs(QUERIES, DOCS)
+    with torch.no_grad():
+        enc = model.encode(batch)
+    n_layers = model.encoder.config.num_hidden_layers + 1
+    longest_query = int(batch["query_len"].max())
+    assert enc.sim.shape[:3] == (2, n_layers, longest_query)
+    tok = model.tokenizer
+    for b, (query, doc) in enumerate(zip(QUERIES, DOCS)):
+        q, segs = _expected_segments(model, query, doc)
+        if b == 0:
+            assert len(segs) == 3  # the long document really spans several segments
+        blocks = []
+        for seg in segs:  # each segment encoded alone, unpadded
+            ids = torch.tensor([[tok.cls_token_id, *q, tok.sep_token_id, *seg, tok.sep_token_id]])
+            types = torch.tensor([[0] * (len(q) + 2) + [1] * (len(seg) + 1)])
+            with torch.no_grad():
+                hs = model.encoder(input_ids=ids, token_type_ids=types, output_hidden_states=True).hidden_states
+            qv = torch.stack([h[0, 1:1 + len(q)] for h in hs])                    # [L+1, m, H]
+            dv = torch.stack([h[0, len(q) + 2:len(q) + 2 + len(seg)] for h in hs])  # [L+1, n, H]
+            blocks.append(F.cosine_similarity(qv[:, :, None, :], dv[:, None, :, :], dim=-1))
+        direct = torch.cat(blocks, dim=-1)                                         # [L+1, m, Σn]
+        n_doc = direct.shape[-1]
+        got = enc.sim[b]
+        torch.testing.assert_close(got[:, : len(q), :n_doc], direct, atol=1e-5, rtol=1e-4)
+        assert torch.all(got[:, len(q):, :] == 0) and torch.all(got[:, :, n_doc:] == 0)
+        assert int(enc.doc_mask[b].sum()) == n_doc and int(enc.query_mask[b].sum()) == len(q)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_padding_contributes_nothing(variant):
+    """A pair scored alone equals the same pair scored beside a longer query and a longer document
+    (more row padding, more document slots, more segments in the batch)."""
+    model = tiny(variant)
+    alone = model.score_texts([QUERIES[1]], [DOCS[1]])
+    long_q = "a much longer query with many many words about many unrelated topics"
+    padded = model.score_texts([QUERIES[1], long_q], [DOCS[1], DOCS[0] * 3])
+    torch.testing.assert_close(padded[:1], alone, atol=1e-5, rtol=1e-5)
+    batch = model.tokenize_pairs([QUERIES[1], long_q], [DOCS[1], DOCS[0] * 3])
+    assert batch["doc_mask"].shape[1] > int(batch["doc_mask"][0].sum())  # there really was padding
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_long_document_scored_from_all_its_segments(variant):
+    model = tiny(variant)
+    q, segs = _expected_segments(model, QUERIES[0], DOCS[0])
+    assert len(segs) == 3
+    batch = model.tokenize_pairs([QUERIES[0]], [DOCS[0]])
+    assert batch["input_ids"].shape[0] == 3 and batch["row_example"].tolist() == [0, 0, 0]
+    base = model.score_texts([QUERIES[0]], [DOCS[0]])
+    # replace the final words (they land in the last segment) by different ones
+    words = DOCS[0].split()
+    changed = " ".join(words[:-3] + ["zebra", "orchestra", "volcano"])
+    assert _expected_segments(model, QUERIES[0], changed)[1][:2] == segs[:2]  # first segments identical
+    assert not torch.allclose(model.score_texts([QUERIES[0]], [changed]), base, atol=1e-6)
+
+
+def test_token_similarities_of_the_last_segment_reach_the_knrm_features():
+    """Beyond the averaged [CLS]: the kernel features see the last segment's tokens."""
+    model = tiny("knrm")
+    words = DOCS[0].split()
+    changed = " ".join(words[:-3] + ["zebra", "orchestra", "volcano"])
+    with torch.no_grad():
+        e0 = model.encode(model.tokenize_pairs([QUERIES[0]], [DOCS[0]]))
+        e1 = model.encode(model.tokenize_pairs([QUERIES[0]], [changed]))
+        zero_cls = torch.zeros_like(e0.cls)
+        assert not torch.allclose(model._knrm(e0, zero_cls), model._knrm(e1, zero_cls), atol=1e-6)
+
+
+def test_documents_are_truncated_to_max_segments():
+    model = tiny(max_segments=2)
+    batch = model.tokenize_pairs([QUERIES[0]], [DOCS[0] * 4])
+    q, _ = _expected_segments(model, QUERIES[0], DOCS[0])
+    assert batch["input_ids"].shape[0] == 2
+    assert int(batch["doc_mask"].sum()) == 2 * (32 - len(q) - 3)
+    assert batch["attention_mask"].sum(1).max() <= 32
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_trains_forward_and_backward(variant):
+    model = tiny(variant).train()
+    rows = {"query": np.array(QUERIES), "pos_text": np.array(DOCS), "neg_text": np.array(DOCS[::-1])}
+    batch = model.collate_pairs(rows)
+    assert batch["query_len"].shape[0] == 4
+    loss = model.pairwise_loss(batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    enc_grad = model.encoder.encoder.layer[-1].output.dense.weight.grad
+    head = [p for n, p in model.named_parameters() if not n.startswith("encoder.")]
+    assert enc_grad is not None and enc_grad.abs().sum() > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in head)
+    assert sum(float(p.grad.abs().sum()) for p in head) > 0
+
+
+def test_pairwise_losses():
+    pos, neg = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.5])
+    expected = (-torch.log_softmax(torch.stack([pos, neg], 1), dim=1)[:, 0]).mean()
+    torch.testing.assert_close(pairwise_loss(pos, neg, "softmax"), expected)
+    torch.testing.assert_close(pairwise_loss(pos, neg, "hinge", margin=1.0), torch.tensor((0.0 + 1.5) / 2))
+
+
+def test_matching_histogram_counts_real_document_tokens():
+    sim = torch.tensor([[[[1.0, 0.95, -1.0, 0.05, 0.0]]]])       # [B=1, L=1, Q=1, D=5]
+    mask = torch.tensor([[True, True, True, True, False]])        # last slot is padding
+    h = matching_histogram(sim, mask, bins=4)                      # bins [-1,-.5) [-.5,0) [0,.5) [.5,1]
+    assert h.tolist() == [[[[1.0, 0.0, 1.0, 2.0]]]]
+
+
+def test_training_steps_lower_the_pairwise_loss():
+    model = tiny("knrm").train()
+    model.cls_dropout.p = 0.0
+    rows = {"query": np.array(QUERIES), "pos_text": np.array(DOCS), "neg_text": np.array(DOCS[::-1])}
+    batch = model.collate_pairs(rows)
+    opt = torch.optim.AdamW(model.param_groups(encoder_lr=1e-3, head_lr=1e-2))
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = model.pairwise_loss(batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] * 0.5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_checkpoint_round_trip_gives_identical_scores(variant, tmp_path):
+    model = tiny(variant, seed=3)
+    with torch.no_grad():  # make the head non-trivial
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_model(model, tmp_path / "cedr")
+    loaded = load_model(tmp_path / "cedr")
+    assert isinstance(loaded, CEDRRanker) and loaded.config == model.config
+    torch.testing.assert_close(loaded.score_texts(QUERIES, DOCS), model.score_texts(QUERIES, DOCS),
+                               atol=0, rtol=0)
+
+
+def test_layer_truncation_uses_fewer_layers_tiny():
+    model = tiny("pacrr", num_layers=1)
+    assert len(model.encoder.encoder.layer) == 1 and model.n_channels == 2
+    with torch.no_grad():
+        enc = model.encode(model.tokenize_pairs(QUERIES, DOCS))
+    assert enc.sim.shape[1] == 2
+    assert torch.isfinite(model.score_texts(QUERIES, DOCS)).all()
+
+
+def test_layer_truncation_of_pretrained_minilm_keeps_its_first_layers():
+    """MiniLM cut to 3 of its 6 layers: 4 channels, identical to the full model's first 4."""
+    full = CEDRRanker(CEDRConfig(variant="knrm", max_query_len=16)).eval()
+    half = CEDRRanker(CEDRConfig(variant="knrm", max_query_len=16, num_layers=3)).eval()
+    assert len(full.encoder.encoder.layer) == 6 and len(half.encoder.encoder.layer) == 3
+    assert full.encoder.config.hidden_size == 384
+    batch = full.tokenize_pairs(QUERIES, DOCS)
+    with torch.no_grad():
+        s_full, s_half = full.encode(batch).sim, half.encode(batch).sim
+    assert s_full.shape[1] == 7 and s_half.shape[1] == 4
+    torch.testing.assert_close(s_half, s_full[:, :4], atol=1e-5, rtol=1e-4)
+    # pretrained contextual similarities: a query token matches itself in the document closely
+    assert float(s_full[0, -1].max()) > 0.5
+
+
+def test_cedr_task_plugs_into_the_shared_loop_interface():
+    pytest.importorskip("ckray.train")
+    import pickle
+
+    from ckray.models.cedr import CEDRTask
+    from ckray.train import RankerTask
+
+    cfg = CEDRConfig(variant="drmm", random_init=TINY, max_length=32, max_query_len=8)
+    task = pickle.loads(pickle.dumps(CEDRTask(cfg)))  # sent to every Ray Train worker
+    assert isinstance(task, RankerTask) and task.name == "cedr-drmm"
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    rows = {"query": np.array(QUERIES), "pos_text": np.array(DOCS), "neg_text": np.array(DOCS[::-1])}
+    batch = task.collate(rows)
+    assert all(isinstance(v, torch.Tensor) for v in batch.values())
+    torch.testing.assert_close(task.loss(model, batch), model.pairwise_loss(model.collate_pairs(rows)))
+    scores = task.score(model, QUERIES, DOCS, [1.0, 2.0])
+    assert scores.shape == (2,)
+    torch.testing.assert_close(scores, model.score_texts(QUERIES, DOCS))

@@ -1,0 +1,87 @@
+"""Reranking a first-stage run: Ray Data actor pool vs in-process, and the run contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckray.models.cedr import CEDRConfig, CEDRRanker
+from ckray.models.checkpoint import load_model, save_model
+from ckray.rerank import CheckpointReranker, merge_scores, rerank, rerank_local
+
+TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=64)
+
+QUERIES = {"q1": "vitamin d and bone fractures", "q2": "gene expression in tumours", "q3": "sleep and memory"}
+DOCS = {
+    "d1": "vitamin d deficiency raises fracture risk in older adults",
+    "d2": "tumour cells show altered gene expression profiles " * 4,
+    "d3": "sleep consolidates memory in the hippocampus",
+    "d4": "bone density declines with age and low vitamin intake",
+    "d5": "an unrelated document about sea turtles and their migration routes " * 3,
+    "d6": "memory formation depends on synaptic plasticity",
+}
+RUN = {
+    "q1": [("d1", 9.0), ("d4", 8.0), ("d5", 7.0), ("d2", 6.0), ("d3", 1.0)],
+    "q2": [("d2", 5.0), ("d5", 4.0), ("d6", 3.0), ("d1", 2.0)],
+    "q3": [("d3", 3.0), ("d6", 2.5), ("d5", 2.0)],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, minilm_path):
+    torch.manual_seed(0)
+    model = CEDRRanker(CEDRConfig(variant="knrm", random_init=TINY, max_length=32, max_query_len=8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("ckpt") / "cedr-knrm-tiny"
+    save_model(model, path)
+    return path
+
+
+def _check_run(reranked, depth):
+    for qid, docs in RUN.items():
+        out = reranked[qid]
+        assert sorted(d for d, _ in out) == sorted(d for d, _ in docs)  # nothing lost or added
+        scores = [s for _, s in out]
+        assert scores == sorted(scores, reverse=True)
+        assert [d for d, _ in out[depth:]] == [d for d, _ in docs[depth:]]  # tail keeps its order
+        assert {d for d, _ in out[:depth]} == {d for d, _ in docs[:depth]}
+
+
+def test_rerank_local_rescores_the_top_k(checkpoint):
+    model = load_model(checkpoint)
+    reranked = rerank_local(model, QUERIES, RUN, DOCS, depth=3, batch_size=2)
+    _check_run(reranked, 3)
+    direct = model.score_texts([QUERIES["q1"]] * 3, [DOCS["d1"], DOCS["d4"], DOCS["d5"]]).tolist()
+    expected = sorted(zip(["d1", "d4", "d5"], direct), key=lambda x: -x[1])
+    got = reranked["q1"][:3]
+    assert [d for d, _ in got] == [d for d, _ in expected]
+    assert [s for _, s in got] == pytest.approx([s for _, s in expected], abs=1e-5)
+    # the doc-text lookup may be a callable
+    again = rerank_local(model, QUERIES, RUN, DOCS.__getitem__, depth=3, batch_size=4)
+    assert [d for d, _ in again["q1"]] == [d for d, _ in reranked["q1"]]
+
+
+def test_checkpoint_reranker_contract(checkpoint):
+    reranker = CheckpointReranker(str(checkpoint), DOCS, batch_size=4)
+    got = reranker.rerank(QUERIES, RUN, depth=3)
+    assert got == rerank_local(load_model(checkpoint), QUERIES, RUN, DOCS, depth=3, batch_size=4)
+
+
+def test_merge_scores_keeps_tail_below_reranked():
+    run = {"q": [("a", 10.0), ("b", 9.0), ("c", 8.0)]}
+    merged = merge_scores(run, {("q", "a"): -5.0, ("q", "b"): -1.0}, depth=2)
+    assert merged == {"q": [("b", -1.0), ("a", -5.0), ("c", -6.0)]}
+
+
+@pytest.mark.slow
+def test_ray_actor_pool_rerank_matches_local(checkpoint, ray_session):
+    local = rerank_local(load_model(checkpoint), QUERIES, RUN, DOCS, depth=4, batch_size=3)
+    distributed = rerank(checkpoint, QUERIES, RUN, DOCS, depth=4, batch_size=3, num_actors=2)
+    _check_run(distributed, 4)
+    assert distributed.keys() == local.keys()
+    for qid in local:
+        assert [d for d, _ in distributed[qid]] == [d for d, _ in local[qid]]
+        assert [s for _, s in distributed[qid]] == pytest.approx([s for _, s in local[qid]], abs=1e-5)

@@ -1,0 +1,365 @@
+"""The shared training loop (ckray.train): Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers, with a toy
+bag-of-hashed-words ranker on synthetic triples where relevance must be *learned* (queries and their
+relevant documents use different words of the same topic, so an untrained model ranks at random)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from ckray.data.examples import DevSet
+from ckray.errors import ConfigError, MissingArtifactError
+from ckray.eval import ndcg_at_10
+from ckray.models.checkpoint import load_model
+from ckray.train import (METRIC, STATE_FILE, RankerTask, TrainConfig, add_train_args, config_from_args,
+                         fit, lr_factor, verify_checkpoint)
+
+# Workers unpickle the task and model classes; this test module is not importable there, so its
+# classes travel by value.
+import ray.cloudpickle
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TOPICS, QWORDS, DWORDS, NOISE = 12, 6, 12, 40
+BUCKETS = 2048
+
+
+# ---------------------------------------------------------------------------------------------
+# The toy model and task
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ToyConfig:
+    buckets: int = BUCKETS
+    dim: int = 32
+    max_words: int = 24
+
+
+def hash_words(texts, buckets: int, max_words: int) -> torch.Tensor:
+    """Stable word hashing (crc32: ``hash()`` differs between processes); id 0 is padding."""
+    ids = torch.zeros(len(texts), max_words, dtype=torch.long)
+    for i, text in enumerate(texts):
+        words = str(text).split()[:max_words]
+        ids[i, :len(words)] = torch.tensor([1 + zlib.crc32(w.encode()) % (buckets - 1) for w in words],
+                                           dtype=torch.long)
+    return ids
+
+
+class ToyRanker(torch.nn.Module):
+    """score(q, d) = <mean word embedding of q, W mean word embedding of d> * scale."""
+
+    def __init__(self, config: ToyConfig):
+        super().__init__()
+        self.config = config
+        self.emb = torch.nn.Embedding(config.buckets, config.dim, padding_idx=0)
+        with torch.no_grad():   # small initial scores: the untrained loss is ln 2
+            self.emb.weight.mul_(0.1)
+        self.proj = torch.nn.Linear(config.dim, config.dim)
+        self.register_buffer("scale", torch.tensor(2.0))   # a buffer must survive consolidation
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids > 0).unsqueeze(-1).float()
+        return (self.emb(ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+    def forward(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return (self.encode(q) * self.proj(self.encode(d))).sum(-1) * self.scale
+
+    def score_texts(self, queries, docs) -> torch.Tensor:
+        c = self.config
+        device = self.emb.weight.device
+        return self(hash_words(queries, c.buckets, c.max_words).to(device),
+                    hash_words(docs, c.buckets, c.max_words).to(device))
+
+
+class ToyTask(RankerTask):
+    name = "toy"
+
+    def __init__(self, crash_at_step: int = 0, crash_marker: str = ""):
+        self.crash_at_step, self.crash_marker = crash_at_step, crash_marker
+        self.micro_batches = 0
+
+    def build_model(self) -> ToyRanker:
+        return ToyRanker(ToyConfig())
+
+    def collate(self, rows):
+        c = ToyConfig()
+        return {"q": hash_words(rows["query"], c.buckets, c.max_words),
+                "pos": hash_words(rows["pos_text"], c.buckets, c.max_words),
+                "neg": hash_words(rows["neg_text"], c.buckets, c.max_words)}
+
+    def loss(self, model, batch):
+        self.micro_batches += 1
+        if self.crash_at_step and self.micro_batches == self.crash_at_step and not os.path.exists(self.crash_marker):
+            Path(self.crash_marker).write_text("crashed once")
+            os._exit(1)   # a lost worker process, not a Python exception
+        pos, neg = model(batch["q"], batch["pos"]), model(batch["q"], batch["neg"])
+        return torch.nn.functional.cross_entropy(torch.stack([pos, neg], 1),
+                                                 torch.zeros(len(pos), dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic data: topic t has query words qt_* and document words dt_*
+# ---------------------------------------------------------------------------------------------
+
+def _query(rng: random.Random, t: int) -> str:
+    return " ".join(f"q{t}_{rng.randrange(QWORDS)}" for _ in range(3))
+
+
+def _doc(rng: random.Random, t: int) -> str:
+    words = [f"d{t}_{rng.randrange(DWORDS)}" for _ in range(6)] + [f"n_{rng.randrange(NOISE)}" for _ in range(4)]
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def make_triples(n: int, seed: int = 0) -> pa.Table:
+    rng = random.Random(seed)
+    rows = {c: [] for c in ("query_id", "query", "pos_id", "pos_text", "pos_bm25", "neg_id", "neg_text", "neg_bm25")}
+    for i in range(n):
+        t = rng.randrange(TOPICS)
+        other = (t + rng.randrange(1, TOPICS)) % TOPICS
+        for k, v in (("query_id", f"q{i}"), ("query", _query(rng, t)), ("pos_id", f"p{i}"),
+                     ("pos_text", _doc(rng, t)), ("pos_bm25", rng.random()), ("neg_id", f"n{i}"),
+                     ("neg_text", _doc(rng, other)), ("neg_bm25", rng.random())):
+            rows[k].append(v)
+    return pa.table(rows)
+
+
+def make_dev(n_queries: int = 24, n_candidates: int = 20, seed: int = 1) -> DevSet:
+    rng = random.Random(seed)
+    queries, candidates, doc_text, qrels = {}, {}, {}, {}
+    for i in range(n_queries):
+        t = i % TOPICS
+        qid = f"dq{i}"
+        queries[qid] = _query(rng, t)
+        cands = []
+        for j in range(n_candidates):
+            topic = t if j < 2 else (t + 1 + rng.randrange(TOPICS - 1)) % TOPICS
+            did = f"{qid}_d{j}"
+            doc_text[did] = _doc(rng, topic)
+            cands.append((did, rng.random()))
+        rng.shuffle(cands)
+        candidates[qid] = cands
+        qrels[qid] = {f"{qid}_d0": 1, f"{qid}_d1": 1}
+    return DevSet(queries, candidates, doc_text, qrels)
+
+
+def rerank_ndcg(model: torch.nn.Module, dev: DevSet) -> float:
+    run = {}
+    with torch.no_grad():
+        for qid, q in dev.queries.items():
+            dids = [d for d, _ in dev.candidates[qid]]
+            scores = model.score_texts([q] * len(dids), [dev.doc_text[d] for d in dids]).tolist()
+            run[qid] = sorted(zip(dids, scores), key=lambda x: (-x[1], x[0]))
+    return ndcg_at_10(run, dev.qrels)
+
+
+STEPS = 30   # first run; the resumed run goes on to 2 * STEPS
+
+
+def _config(tmp: Path, **kw) -> TrainConfig:
+    base = dict(workers=2, zero_stage=2, batch_size=16, lr=0.05, weight_decay=0.0, warmup_steps=3,
+                max_steps=STEPS, eval_every=10, log_every=10, seed=7, max_failures=0,
+                output_dir=str(tmp / "out"), storage_dir=str(tmp / "storage"))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def trained(ray_session, tmp_path_factory):
+    """One 30-step run, then a second fit() on the same storage with max_steps 60 (a resume) in
+    which a worker process dies at step 45, after the step-40 checkpoint (FailureConfig restart)."""
+    tmp = tmp_path_factory.mktemp("train")
+    triples, dev = make_triples(1200), make_dev()
+    first = fit(ToyTask(), triples, dev, _config(tmp))
+    first_out = tmp / "first_out"
+    shutil.copytree(first.best_checkpoint, first_out)
+    crashing = ToyTask(crash_at_step=15, crash_marker=str(tmp / "crashed"))  # 15th micro-batch of this run
+    second = fit(crashing, triples, dev, _config(tmp, max_steps=2 * STEPS, max_failures=1))
+    return {"tmp": tmp, "dev": dev, "triples": triples, "first": first, "first_out": first_out,
+            "second": second}
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end (Ray Train, 2 CPU workers, DeepSpeed ZeRO-2)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_loss_falls_and_dev_ndcg_rises(trained):
+    first = trained["first"]
+    evals = [h for h in first.history if "loss" in h]
+    assert [h["step"] for h in first.history] == [0, 10, 20, 30]
+    assert first.steps == STEPS and first.start_step == 0
+    assert first.examples_seen == STEPS * 16 * 2
+    # pairwise softmax loss starts at ln 2 = 0.693 for an untrained model
+    assert evals[0]["loss"] < 0.70
+    assert evals[-1]["loss"] < 0.5 * evals[0]["loss"], evals
+    untrained = first.history[0][METRIC]
+    assert untrained < 0.6, first.history          # random ranking of 2 relevant among 20
+    assert first.best_metric > untrained + 0.25, first.history
+    assert first.best_metric == max(h[METRIC] for h in evals)
+    assert all(h["examples_per_s"] > 0 and h["lr"] >= 0 for h in evals)
+
+
+@pytest.mark.slow
+def test_consolidated_model_loads_and_scores_like_the_trained_one(trained):
+    first = trained["first"]
+    out = trained["first_out"]
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["step"] == first.best_step and meta[METRIC] == pytest.approx(first.best_metric)
+    model = load_model(out)
+    assert isinstance(model.config, ToyConfig) and float(model.scale) == 2.0
+    # the plain-weights model reranks the dev set exactly as the trained model did during training
+    assert rerank_ndcg(model, trained["dev"]) == pytest.approx(first.best_metric, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_resume_continues_at_the_right_step(trained):
+    first, second = trained["first"], trained["second"]
+    assert second.start_step == STEPS
+    assert second.steps == 2 * STEPS
+    assert second.examples_seen == 2 * STEPS * 16 * 2
+    steps = [h["step"] for h in second.history]
+    assert steps == [0, 10, 20, 30, 40, 50, 60]      # the first run's history is kept, no step repeated
+    assert second.history[:4] == first.history
+    # training went on from the checkpoint (not from scratch): the loss stays at its low level
+    assert second.history[4]["loss"] < 0.5 * first.history[1]["loss"]
+    assert second.best_metric >= first.best_metric - 1e-9
+    assert load_model(second.best_checkpoint) is not None
+
+
+@pytest.mark.slow
+def test_finished_run_is_not_trained_again(trained):
+    tmp = trained["tmp"]
+    again = fit(ToyTask(), trained["triples"], trained["dev"], _config(tmp, max_steps=2 * STEPS))
+    assert again.start_step == again.steps == 2 * STEPS and again.attempts == []
+    assert again.best_metric == pytest.approx(trained["second"].best_metric)
+    assert again.history == trained["second"].history
+
+
+@pytest.mark.slow
+def test_half_written_checkpoint_gives_a_clear_error(trained, tmp_path):
+    storage = tmp_path / "storage"
+    shutil.copytree(trained["tmp"] / "storage", storage)
+    run = storage / "toy"
+    latest = max((p for p in run.glob("checkpoint_*") if p.is_dir()), key=lambda p: p.name)
+    state = verify_checkpoint(latest)
+    assert state["step"] == 2 * STEPS and state["world_size"] == 2 and state["zero_stage"] == 2
+    config = _config(tmp_path, max_steps=3 * STEPS, storage_dir=str(storage))
+
+    victim = next(p for p in (latest / "deepspeed").iterdir() if "optim_states" in p.name)
+    victim.write_bytes(victim.read_bytes()[:100])                   # truncated
+    with pytest.raises(MissingArtifactError, match="incomplete.*optim_states.*--no-resume"):
+        fit(ToyTask(), trained["triples"], trained["dev"], config)
+    victim.unlink()                                                  # missing
+    with pytest.raises(MissingArtifactError, match="incomplete.*is missing"):
+        fit(ToyTask(), trained["triples"], trained["dev"], config)
+    (latest / STATE_FILE).unlink()                                   # never finished
+    with pytest.raises(MissingArtifactError, match="half-written"):
+        fit(ToyTask(), trained["triples"], trained["dev"], config)
+
+
+@pytest.mark.slow
+def test_resume_with_other_worker_count_is_refused(trained, tmp_path):
+    storage = tmp_path / "storage"
+    shutil.copytree(trained["tmp"] / "storage", storage)
+    config = _config(tmp_path, workers=1, max_steps=3 * STEPS, storage_dir=str(storage))
+    with pytest.raises(ConfigError, match="2 workers.*--workers 2"):
+        fit(ToyTask(), trained["triples"], trained["dev"], config)
+
+
+@pytest.mark.slow
+def test_lost_worker_restarts_from_last_checkpoint(trained):
+    """The worker that died at step 45 was replaced and training went on from the latest
+    checkpoint Ray had registered (step 40, or step 30 when the step-40 report was still in the dead
+    worker's queue): one restart, the history holds every validation exactly once."""
+    second = trained["second"]
+    assert (trained["tmp"] / "crashed").read_text() == "crashed once"
+    assert second.restarts == 1
+    assert second.attempts[0] == STEPS and second.attempts[1] in (STEPS, STEPS + 10)
+    assert [h["step"] for h in second.history] == [0, 10, 20, 30, 40, 50, 60]
+
+
+# ---------------------------------------------------------------------------------------------
+# Unit tests (no Ray)
+# ---------------------------------------------------------------------------------------------
+
+def test_lr_schedule_warms_up_then_decays_linearly():
+    f = [lr_factor(s, warmup_steps=4, max_steps=12) for s in range(12)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and f[11] == pytest.approx(1 / 8)
+    assert all(a > b for a, b in zip(f[4:], f[5:]))
+    assert lr_factor(0, 0, 10) == 1.0 and lr_factor(10, 0, 10) == 0.0
+
+
+def test_one_worker_runs_deepspeed_without_partitioning():
+    from ckray.train import _deepspeed_config
+
+    assert _deepspeed_config(TrainConfig(zero_stage=2), world=1)["zero_optimization"]["stage"] == 0
+    ds = _deepspeed_config(TrainConfig(zero_stage=2, batch_size=4, grad_accum=3, grad_clip=0.5), world=2)
+    assert ds["zero_optimization"]["stage"] == 2
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (24, 3, 0.5)
+
+
+def test_flags_map_onto_train_config():
+    parser = add_train_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--workers", "4", "--use-gpu", "--zero-stage", "3", "--batch-size", "32",
+                              "--lr", "3e-5", "--max-steps", "500", "--eval-every", "50",
+                              "--grad-accum", "2", "--precision", "bf16", "--no-resume"])
+    c = config_from_args(args, output_dir="W/checkpoints/x", lr=1e-3, warmup_steps=10)
+    assert (c.workers, c.use_gpu, c.zero_stage, c.batch_size, c.max_steps, c.eval_every, c.grad_accum,
+            c.precision, c.resume) == (4, True, 3, 32, 500, 50, 2, "bf16", False)
+    assert c.lr == 3e-5                         # the flag wins over the job's default
+    assert c.warmup_steps == 10 and c.output_dir == "W/checkpoints/x"   # job defaults where no flag
+    d = config_from_args(parser.parse_args([]))
+    assert d == TrainConfig()
+
+
+@pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(precision="fp16"), dict(workers=0),
+                                 dict(max_steps=0), dict(grad_accum=0)])
+def test_invalid_config_is_refused(bad):
+    with pytest.raises(ConfigError, match="TrainConfig"):
+        TrainConfig(**bad).validate()
+
+
+def test_bad_inputs_are_refused_before_training(tmp_path):
+    dev = make_dev(2, 3)
+    with pytest.raises(ConfigError, match="lack columns.*neg_text"):
+        fit(ToyTask(), make_triples(10).drop(["neg_text"]), dev, _config(tmp_path))
+    with pytest.raises(ConfigError, match="fewer than workers x batch_size = 32"):
+        fit(ToyTask(), make_triples(10), dev, _config(tmp_path))
+    broken = make_dev(2, 3)
+    broken.doc_text.pop(next(iter(broken.doc_text)))
+    with pytest.raises(ConfigError, match="no entry in doc_text"):
+        fit(ToyTask(), make_triples(10), broken, _config(tmp_path))
+
+
+def test_worker_errors_of_ours_are_surfaced_from_rays_wrappers():
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+
+    from ckray.train import _find_ckray_error
+
+    original = ConfigError("worker 1 got no full batch of 8 triples")
+    wrapped = RayTaskError("train_fn", "Traceback ...", original).as_instanceof_cause()
+    found = _find_ckray_error(WorkerGroupError("worker 1 failed", {1: wrapped}))
+    assert type(found) is ConfigError and str(found) == str(original)
+    assert _find_ckray_error(WorkerGroupError("boom", {0: RuntimeError("x")})) is None
+
+
+def test_half_written_training_checkpoint_is_named(tmp_path):
+    with pytest.raises(MissingArtifactError, match=f"half-written: {STATE_FILE} is missing"):
+        verify_checkpoint(tmp_path)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 3, "files": {"deepspeed/x.pt": 10}}))
+    with pytest.raises(MissingArtifactError, match="incomplete: deepspeed/x.pt is missing"):
+        verify_checkpoint(tmp_path)
