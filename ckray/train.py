@@ -166,6 +166,12 @@ class RankerTask(ABC):
         """One relevance score per (query, doc) pair; called under ``torch.no_grad`` in eval mode."""
         return model.score_texts(queries, docs)
 
+    def param_groups(self, model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict] | None:
+        """Optional AdamW parameter groups (e.g. a slower learning rate for a pretrained encoder);
+        ``None``: one learning rate, no weight decay on biases and norms. Group ``lr`` values are
+        scaled by the warm-up/decay schedule like the base rate."""
+        return None
+
 
 @dataclass
 class TrainResult:
@@ -557,7 +563,8 @@ def _train_worker(loop_config: dict) -> None:
     model = task.build_model()
     if not dataclasses.is_dataclass(getattr(model, "config", None)):
         raise ConfigError(f"{type(model).__name__} needs a dataclass `config` attribute (see ckray.models.checkpoint)")
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or _param_groups(model, cfg.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
