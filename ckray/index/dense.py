@@ -1,0 +1,756 @@
+"""Dense retrieval for CLEAR: the embedding job (Ray Data), the faiss index, and hybrid retrieval (Eq. 8).
+
+Layout under the work directory ``W``::
+
+    W/shards/part-NNNNN.parquet           corpus shards (doc_id, title, text)          ckray.data.shards
+    W/dense/shards/part-NNNNN.parquet     one embedding shard per corpus shard:
+                                          doc_id: string, embedding: fixed_size_list<float32|float16>[D]
+                                          (+ part-NNNNN.parquet.done.json: what it was computed from)
+    W/dense/index/                        index.faiss, doc_ids.parquet (row i ↔ faiss id i), meta.json
+    W/dense/hybrid.json                   λ_test tuned on training queries (``tune_lambda``)
+
+Embedding job (:func:`embed_corpus`): ``ray.data.read_parquet`` over the corpus shards that are not
+done yet → ``map_batches(DocumentEncoder, compute=ActorPoolStrategy(size=actors))``; each actor loads
+the checkpoint once (``load_model``), on a GPU of its own when ``use_gpu``. The driver groups the
+embedded rows by their source shard and writes each embedding shard atomically
+(``write_parquet_atomic`` + a done marker recording the checkpoint digest and the source shard) as
+soon as all of its rows are in, so a re-run skips finished shards and redoes half-written ones.
+
+Index (:class:`DenseIndex`): inner product over the embeddings; ``flat`` (exact) by default, ``hnsw``,
+``ivf`` and ``ivfpq`` for large corpora; on GPU faiss when ``faiss.get_num_gpus() > 0``.
+
+Hybrid (Gao et al. 2020, Eq. 8): ``s(q, d) = λ_test · s_lex(q, d) + s_emb(q, d)`` over the union of
+the BM25 top ``lex_depth`` and the dense top ``dense_depth``. A union member found by only one side
+gets its *exact* missing score: s_emb from its stored vector, s_lex from the Lucene scorer
+(``BM25Searcher.score``); retrievers without a scorer fall back to the smallest score that side
+returned for the query (a lower bound, documented in :func:`hybrid_candidates`). λ_test is chosen by
+grid search on nDCG@10 over training queries (:func:`tune_lambda`), never by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ckray.data.shards import is_done, mark_done, shard_paths, write_json_atomic, write_parquet_atomic
+from ckray.errors import ConfigError, MissingArtifactError
+
+log = logging.getLogger(__name__)
+
+Run = dict[str, list[tuple[str, float]]]
+
+DENSE_DIR = "dense"
+INDEX_FILE = "index.faiss"
+IDS_FILE = "doc_ids.parquet"
+META_FILE = "meta.json"
+HYBRID_FILE = "hybrid.json"
+INDEX_KINDS = ("flat", "hnsw", "ivf", "ivfpq")
+
+
+def embeddings_dir(workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / DENSE_DIR / "shards"
+
+
+def index_dir(workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / DENSE_DIR / "index"
+
+
+def default_checkpoint(workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / "checkpoints" / "clear"
+
+
+# =============================================================================================
+# (a) Embedding job
+# =============================================================================================
+
+@dataclass
+class EmbedConfig:
+    """The Ray Data embedding job.
+
+    actors:            size of the actor pool (each loads the checkpoint once).
+    use_gpu:           one GPU per actor (fp16 autocast on it).
+    cpus_per_actor:    logical CPUs reserved per actor; also its torch threads on CPU.
+    batch_size:        rows per Ray Data batch handed to an actor; sorted by length inside the actor.
+    encode_batch_size: documents per forward pass inside an actor.
+    float16:           store embeddings as float16 (half the disk; the index is built in float32).
+    """
+
+    actors: int = 1
+    use_gpu: bool = False
+    cpus_per_actor: float = 1.0
+    batch_size: int = 512
+    encode_batch_size: int = 32
+    float16: bool = False
+
+    def validate(self) -> None:
+        for ok, msg in [(self.actors >= 1, "actors must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
+                        (self.encode_batch_size >= 1, "encode_batch_size must be >= 1"),
+                        (self.cpus_per_actor > 0, "cpus_per_actor must be > 0")]:
+            if not ok:
+                raise ConfigError(f"EmbedConfig: {msg}")
+
+
+class DocumentEncoder:
+    """Ray Data callable class: loads the model once per actor, embeds ``doc_text(title, text)``."""
+
+    def __init__(self, checkpoint: str, use_gpu: bool = False, threads: int = 0, encode_batch_size: int = 32):
+        import torch
+
+        from ckray.models.checkpoint import load_model
+
+        if threads > 0 and not use_gpu:
+            torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.model = load_model(checkpoint, map_location="cpu").to(self.device).eval()
+        self.encode_batch_size = encode_batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import contextlib
+
+        import torch
+
+        from ckray.data.collections import doc_text
+
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        texts = [doc_text(t, x) for t, x in zip(batch["title"], batch["text"])]
+        amp = (torch.autocast("cuda", dtype=torch.float16) if self.device.type == "cuda"
+               else contextlib.nullcontext())
+        with amp:
+            emb = self.model.encode_documents(texts, batch_size=self.encode_batch_size)
+        n = max(len(texts), 1)
+        out = {"doc_id": batch["doc_id"], "embedding": emb.float().numpy(),
+               # per-row share of this batch's encoding wall / CPU time (summed by the driver)
+               "_encode_s": np.full(len(texts), (time.perf_counter() - wall0) / n),
+               "_encode_cpu_s": np.full(len(texts), (time.process_time() - cpu0) / n),
+               "_done_at": np.full(len(texts), time.time())}
+        if "path" in batch:
+            out["path"] = batch["path"]
+        return out
+
+
+def checkpoint_digest(checkpoint: str | os.PathLike) -> str:
+    """sha256 over the checkpoint's files: embeddings made by another model are never reused."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(checkpoint).iterdir() if p.is_file()) if Path(checkpoint).is_dir() else []
+    if not files:
+        raise MissingArtifactError(f"no checkpoint at {checkpoint}: train one with jobs/train_clear.py")
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _shard_stamp(source: Path, digest: str, float16: bool) -> dict:
+    st = source.stat()
+    return {"source": source.name, "source_rows": pq.read_metadata(source).num_rows,
+            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
+            "checkpoint_sha256": digest, "dtype": "float16" if float16 else "float32"}
+
+
+def embedding_table(doc_ids: Sequence[str], embeddings: np.ndarray, float16: bool = False) -> pa.Table:
+    """``doc_id: string, embedding: fixed_size_list<float>[D]``."""
+    emb = np.ascontiguousarray(embeddings, dtype=np.float16 if float16 else np.float32)
+    if emb.ndim != 2 or emb.shape[1] < 1 or len(emb) != len(doc_ids):
+        raise ValueError(f"embeddings of shape {emb.shape} for {len(doc_ids)} documents")
+    dim = emb.shape[1]
+    values = pa.array(emb.reshape(-1))
+    return pa.table({"doc_id": pa.array(list(doc_ids), pa.string()),
+                     "embedding": pa.FixedSizeListArray.from_arrays(values, dim)})
+
+
+def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, config: EmbedConfig | None = None,
+                 out_dir: str | os.PathLike | None = None, progress: bool = True) -> dict:
+    """Embed every corpus shard not yet embedded with this checkpoint; returns a summary dict.
+
+    The summary has ``documents`` (embedded now), ``shards_written``, ``shards_skipped``, ``batches``,
+    ``seconds`` (whole job: actor start, model load, encoding, writing), ``docs_per_s``,
+    ``steady_docs_per_s`` (documents completed after the first batch / time from the first to the
+    last batch completion, by the actors' clocks: throughput once the actors are warm), and
+    ``encode_s`` / ``encode_cpu_s``: wall and process-CPU seconds the actors spent inside their
+    batch calls, summed over actors.
+    """
+    import ray
+
+    config = config or EmbedConfig()
+    config.validate()
+    out_dir = Path(out_dir) if out_dir is not None else embeddings_dir(workdir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = str(Path(checkpoint).resolve())
+    digest = checkpoint_digest(checkpoint)
+    sources = shard_paths(workdir)
+    for stale in out_dir.glob(".part-*.tmp-*"):  # leftovers of an interrupted write
+        stale.unlink(missing_ok=True)
+
+    stamps = {s.name: _shard_stamp(s, digest, config.float16) for s in sources}
+    todo = [s for s in sources if not is_done(out_dir / s.name, stamps[s.name])]
+    skipped = len(sources) - len(todo)
+    log.info("embedding %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources), out_dir, skipped)
+    summary = {"documents": 0, "shards_written": 0, "shards_skipped": skipped, "batches": 0, "seconds": 0.0,
+               "docs_per_s": 0.0, "steady_docs_per_s": 0.0, "encode_s": 0.0, "encode_cpu_s": 0.0,
+               "out_dir": str(out_dir)}
+    if not todo:
+        return summary
+
+    t0 = time.perf_counter()
+    expected = {s.name: stamps[s.name]["source_rows"] for s in todo}
+    for name in [n for n, rows in expected.items() if rows == 0]:
+        empty = np.zeros((0, _checkpoint_dim(checkpoint)), np.float32)
+        write_embedding_shard(out_dir / name, [], [empty], config.float16, stamps[name])
+        summary["shards_written"] += 1
+    pending = [s for s in todo if expected[s.name] > 0]
+    if not pending:
+        summary["seconds"] = time.perf_counter() - t0
+        return summary
+
+    if not ray.is_initialized():
+        from ckray.ray_env import init_ray
+
+        init_ray()
+    import ray.data
+
+    total = sum(expected[s.name] for s in pending)
+    # Small files are read by one task into one block; the streaming repartition cuts blocks of one
+    # actor batch, so every actor of the pool gets work, results stream back batch by batch (progress,
+    # shards written early) and a slow actor holds back at most one batch.
+    ds = ray.data.read_parquet([str(s) for s in pending], include_paths=True, columns=["doc_id", "title", "text"])
+    ds = ds.repartition(target_num_rows_per_block=config.batch_size)
+    ds = ds.map_batches(
+        DocumentEncoder,
+        fn_constructor_kwargs={"checkpoint": checkpoint, "use_gpu": config.use_gpu,
+                               "threads": max(1, int(config.cpus_per_actor)),
+                               "encode_batch_size": config.encode_batch_size},
+        batch_size=config.batch_size, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=config.actors),
+        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
+    )
+
+    buffers: dict[str, tuple[list, list]] = {s.name: ([], []) for s in pending}
+    done_docs = 0
+    completions: list[tuple[float, int]] = []     # (actor-side completion time, rows) per batch
+    bar = _progress(total, progress)
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        names = np.array([Path(str(p)).name for p in batch["path"]])
+        emb = np.asarray(batch["embedding"])
+        for name in np.unique(names):
+            sel = names == name
+            ids, vecs = buffers[name]
+            ids.extend(batch["doc_id"][sel].tolist())
+            vecs.append(emb[sel])
+            if len(ids) == expected[name]:
+                write_embedding_shard(out_dir / name, ids, vecs, config.float16, stamps[name])
+                del buffers[name]
+                summary["shards_written"] += 1
+                log.info("embedded %s: %d documents (%d/%d shards)", name, expected[name],
+                         summary["shards_written"] + skipped, len(sources))
+            elif len(ids) > expected[name]:
+                raise MissingArtifactError(f"{name}: got {len(ids)} embeddings for {expected[name]} documents; "
+                                           f"the corpus shard changed during the job, re-run it")
+        done_docs += len(names)
+        summary["batches"] += 1
+        summary["encode_s"] += float(np.sum(batch["_encode_s"]))
+        summary["encode_cpu_s"] += float(np.sum(batch["_encode_cpu_s"]))
+        for t in np.unique(batch["_done_at"]):
+            completions.append((float(t), int(np.sum(batch["_done_at"] == t))))
+        bar.update(len(names))
+    bar.close()
+    if buffers:
+        raise MissingArtifactError(f"embedding job ended with incomplete shards {sorted(buffers)}; re-run it")
+    end = time.perf_counter()
+    summary.update(documents=done_docs, seconds=end - t0, docs_per_s=done_docs / max(end - t0, 1e-9),
+                   steady_docs_per_s=_steady_rate(completions))
+    log.info("embedded %d documents in %.1fs (%.1f docs/s; %.1f docs/s after the first batch)", done_docs,
+             summary["seconds"], summary["docs_per_s"], summary["steady_docs_per_s"])
+    return summary
+
+
+def _steady_rate(completions: list[tuple[float, int]]) -> float:
+    """Documents completed after the first batch / time from the first to the last completion.
+
+    Uses the actors' own completion times, so neither actor start-up and model loading nor the
+    latency of handing results to the driver count; 0.0 with fewer than two batches.
+    """
+    if len(completions) < 2:
+        return 0.0
+    completions = sorted(completions)
+    span = completions[-1][0] - completions[0][0]
+    return sum(n for _, n in completions[1:]) / span if span > 0 else 0.0
+
+
+def _checkpoint_dim(checkpoint: str) -> int:
+    """Embedding dimension recorded in the checkpoint (``config.dim``, else the encoder's hidden size)."""
+    from ckray.models.checkpoint import read_checkpoint_config
+
+    cfg = read_checkpoint_config(checkpoint).get("config", {})
+    dim = cfg.get("dim") or (cfg.get("bert_config") or {}).get("hidden_size")
+    if not dim:
+        raise MissingArtifactError(f"checkpoint {checkpoint} records no embedding dimension (config.dim)")
+    return int(dim)
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, unit="doc", desc="embedding", disable=not enabled)
+    except ImportError:  # pragma: no cover
+        class _Null:
+            def update(self, n): ...
+            def close(self): ...
+        return _Null()
+
+
+def write_embedding_shard(path: str | os.PathLike, ids: Sequence[str], vecs: Sequence[np.ndarray], float16: bool,
+                          stamp: dict) -> None:
+    """Write one embedding shard atomically, then its done marker (``stamp`` + row count)."""
+    emb = np.concatenate(vecs)
+    write_parquet_atomic(embedding_table(ids, emb, float16), path)
+    mark_done(path, stamp)
+
+
+def read_embedding_shards(directory: str | os.PathLike) -> tuple[list[str], np.ndarray]:
+    """All finished embedding shards in name order → (doc_ids, float32 matrix [N, D])."""
+    directory = Path(directory)
+    shards = sorted(p for p in directory.glob("part-*.parquet") if (p.parent / (p.name + ".done.json")).exists())
+    if not shards:
+        raise MissingArtifactError(f"no embedding shards in {directory}: run jobs/build_dense_index.py")
+    ids: list[str] = []
+    mats = []
+    for p in shards:
+        t = pq.read_table(p)
+        ids.extend(t.column("doc_id").to_pylist())
+        col = t.column("embedding").combine_chunks()
+        if len(col) == 0:
+            continue
+        dim = col.type.list_size
+        mats.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
+    return ids, (np.concatenate(mats) if mats else np.zeros((0, 0), np.float32))
+
+
+# =============================================================================================
+# (b) faiss index
+# =============================================================================================
+
+@dataclass
+class IndexConfig:
+    """The faiss index over the embeddings (metric: inner product, Eq. 4).
+
+    kind:         "flat" (exact), "hnsw" (graph; no training), "ivf" (inverted lists, exact vectors),
+                  "ivfpq" (inverted lists + product quantisation: smallest, approximate scores).
+    nlist:        IVF cells (None: 4·sqrt(N), at least 1).   nprobe: cells visited per query.
+    hnsw_m, ef_construction, ef_search: HNSW graph degree and beam widths.
+    pq_m, pq_bits: sub-quantisers (None: D/4, or the largest divisor of D ≤ D/4) and bits per code.
+    train_sample: vectors used to train IVF/PQ (a random sample).
+    use_gpu:      None: GPU faiss when ``faiss.get_num_gpus() > 0`` (HNSW always runs on the CPU).
+    """
+
+    kind: str = "flat"
+    nlist: int | None = None
+    nprobe: int = 32
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 256
+    pq_m: int | None = None
+    pq_bits: int = 8
+    train_sample: int = 262144
+    use_gpu: bool | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.kind not in INDEX_KINDS:
+            raise ConfigError(f"IndexConfig.kind must be one of {INDEX_KINDS}, not {self.kind!r}")
+
+    def factory(self, dim: int, n: int) -> str:
+        """The faiss ``index_factory`` string for this configuration."""
+        nlist = self.nlist or max(1, int(4 * math.sqrt(max(n, 1))))
+        if self.kind == "flat":
+            return "Flat"
+        if self.kind == "hnsw":
+            return f"HNSW{self.hnsw_m}"
+        if self.kind == "ivf":
+            return f"IVF{nlist},Flat"
+        m = self.pq_m or max(d for d in range(1, max(1, dim // 4) + 1) if dim % d == 0)
+        if dim % m:
+            raise ConfigError(f"IndexConfig.pq_m={m} must divide the embedding dimension {dim}")
+        return f"IVF{nlist},PQ{m}x{self.pq_bits}"
+
+
+class DenseIndex:
+    """A faiss inner-product index and its doc-id mapping (faiss id i ↔ ``doc_ids[i]``)."""
+
+    def __init__(self, index: Any, doc_ids: Sequence[str], meta: dict | None = None, use_gpu: bool | None = None):
+        import faiss
+
+        self.index = index                      # CPU index: saving, reconstructing vectors
+        self.doc_ids = list(doc_ids)
+        self.meta = dict(meta or {})
+        self._row = {d: i for i, d in enumerate(self.doc_ids)}
+        self._apply_search_params()
+        want_gpu = _want_gpu(use_gpu)
+        self._search_index = self.index
+        if want_gpu and self.meta.get("kind") != "hnsw":
+            self._search_index = faiss.index_cpu_to_all_gpus(self.index)
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, doc_ids: Sequence[str], embeddings: np.ndarray, config: IndexConfig | None = None,
+              meta: dict | None = None) -> "DenseIndex":
+        import faiss
+
+        config = config or IndexConfig()
+        config.validate()
+        x = np.ascontiguousarray(embeddings, dtype=np.float32)
+        if x.ndim != 2 or len(x) != len(doc_ids):
+            raise ConfigError(f"embeddings {x.shape} do not match {len(doc_ids)} doc ids")
+        if len(set(doc_ids)) != len(doc_ids):
+            raise ConfigError("duplicate doc ids in the embedding shards; re-run the embedding job")
+        n, dim = x.shape
+        spec = config.factory(dim, n)
+        index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
+        if config.kind == "hnsw":
+            index.hnsw.efConstruction = config.ef_construction
+        gpu = _want_gpu(config.use_gpu) and config.kind != "hnsw"
+        work = faiss.index_cpu_to_all_gpus(index) if gpu else index
+        if not index.is_trained:
+            rng = np.random.default_rng(config.seed)
+            sample = x[rng.choice(n, size=min(n, config.train_sample), replace=False)]
+            work.train(sample)
+        work.add(x)
+        if gpu:
+            index = faiss.index_gpu_to_cpu(work)
+        meta = {**(meta or {}), **{"kind": config.kind, "factory": spec, "dim": dim, "count": n,
+                                   "metric": "inner_product", "config": asdict(config)}}
+        log.info("built faiss index %s over %d vectors of dimension %d", spec, n, dim)
+        return cls(index, doc_ids, meta, use_gpu=config.use_gpu)
+
+    @classmethod
+    def from_shards(cls, directory: str | os.PathLike, config: IndexConfig | None = None,
+                    meta: dict | None = None) -> "DenseIndex":
+        ids, x = read_embedding_shards(directory)
+        return cls.build(ids, x, config, {**(meta or {}), "embeddings": str(directory)})
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write index, ids and metadata to a temporary directory, then rename it into place."""
+        import faiss
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        faiss.write_index(self.index, str(tmp / INDEX_FILE))
+        pq.write_table(pa.table({"doc_id": pa.array(self.doc_ids, pa.string())}), tmp / IDS_FILE)
+        (tmp / META_FILE).write_text(json.dumps(self.meta, indent=2, sort_keys=True))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, use_gpu: bool | None = None) -> "DenseIndex":
+        import faiss
+
+        directory = Path(directory)
+        missing = [f for f in (INDEX_FILE, IDS_FILE, META_FILE) if not (directory / f).exists()]
+        if missing:
+            raise MissingArtifactError(f"no dense index at {directory} ({', '.join(missing)} missing): "
+                                       f"build it with jobs/build_dense_index.py")
+        index = faiss.read_index(str(directory / INDEX_FILE))
+        ids = pq.read_table(directory / IDS_FILE).column("doc_id").to_pylist()
+        meta = json.loads((directory / META_FILE).read_text())
+        if index.ntotal != len(ids):
+            raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {len(ids)} ids; rebuild it")
+        return cls(index, ids, meta, use_gpu=use_gpu)
+
+    # -- querying ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.doc_ids)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    def _apply_search_params(self) -> None:
+        import faiss
+
+        cfg = self.meta.get("config", {})
+        if self.meta.get("kind") in ("ivf", "ivfpq"):
+            ivf = faiss.extract_index_ivf(self.index)
+            ivf.nprobe = int(cfg.get("nprobe", 32))
+            ivf.make_direct_map()            # lets vectors() reconstruct by id
+        elif self.meta.get("kind") == "hnsw":
+            self.index.hnsw.efSearch = int(cfg.get("ef_search", 256))
+
+    def search(self, query_vectors: np.ndarray, k: int) -> list[list[tuple[str, float]]]:
+        """Top-k (doc_id, inner product) per query vector, best first."""
+        q = np.ascontiguousarray(np.atleast_2d(query_vectors), dtype=np.float32)
+        k = min(k, len(self.doc_ids))
+        if k <= 0 or len(q) == 0:
+            return [[] for _ in range(len(q))]
+        index = self._search_index if k <= 2048 else self.index   # GPU faiss caps k at 2048
+        scores, rows = index.search(q, k)
+        return [[(self.doc_ids[r], float(s)) for s, r in zip(srow, rrow) if r >= 0]
+                for srow, rrow in zip(scores, rows)]
+
+    def vectors(self, doc_ids: Sequence[str]) -> np.ndarray:
+        """Stored vectors of ``doc_ids`` (exact for flat/hnsw/ivf; the PQ approximation for ivfpq)."""
+        try:
+            rows = [self._row[d] for d in doc_ids]
+        except KeyError as e:
+            raise KeyError(f"document {e.args[0]!r} is not in the dense index") from None
+        if not rows:
+            return np.zeros((0, self.dim), np.float32)
+        return np.stack([self.index.reconstruct(int(r)) for r in rows])
+
+    def __contains__(self, doc_id: str) -> bool:
+        return doc_id in self._row
+
+
+def _want_gpu(use_gpu: bool | None) -> bool:
+    import faiss
+
+    gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+    if use_gpu and gpus == 0:
+        raise ConfigError("IndexConfig.use_gpu=True but faiss sees no GPU (install faiss-gpu, or leave use_gpu unset)")
+    return gpus > 0 if use_gpu is None else bool(use_gpu)
+
+
+def build_dense_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+                      embed: EmbedConfig | None = None, index: IndexConfig | None = None) -> tuple[DenseIndex, dict]:
+    """Embedding job + index build + save to ``W/dense/index``; returns the index and the job summary."""
+    checkpoint = Path(checkpoint) if checkpoint is not None else default_checkpoint(workdir)
+    summary = embed_corpus(workdir, checkpoint, embed)
+    dense = DenseIndex.from_shards(embeddings_dir(workdir), index,
+                                   {"checkpoint": str(checkpoint.resolve()),
+                                    "checkpoint_sha256": checkpoint_digest(checkpoint)})
+    dense.save(index_dir(workdir))
+    return dense, summary
+
+
+# =============================================================================================
+# Retrievers
+# =============================================================================================
+
+class DenseRetriever:
+    """``search(queries, k) -> run`` with a CLEAR checkpoint (query tower) over a :class:`DenseIndex`."""
+
+    def __init__(self, checkpoint: Any, index: DenseIndex | str | os.PathLike, query_batch_size: int = 128,
+                 device: str | None = None):
+        import torch
+
+        from ckray.models.checkpoint import load_model
+
+        if isinstance(checkpoint, torch.nn.Module):
+            self.model = checkpoint
+        else:
+            self.model = load_model(checkpoint)
+        if device is None:
+            from ckray.device import default_device
+
+            device = str(default_device())
+        self.model = self.model.to(device).eval()
+        self.index = index if isinstance(index, DenseIndex) else DenseIndex.load(index)
+        self.query_batch_size = query_batch_size
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        return self.model.encode_queries(list(texts), batch_size=self.query_batch_size).float().numpy()
+
+    def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
+        qids = [q for q, t in queries.items() if t and t.strip()]
+        run: Run = {q: [] for q in queries}
+        if qids:
+            for qid, hits in zip(qids, self.index.search(self.encode([queries[q] for q in qids]), k)):
+                run[qid] = hits
+        return run
+
+    def score(self, queries: Mapping[str, str], candidates: Mapping[str, Iterable[str]]) -> dict[str, dict[str, float]]:
+        """Exact s_emb(q, d) for given (query, document) pairs, from the stored document vectors."""
+        qids = [q for q in candidates if q in queries]
+        out: dict[str, dict[str, float]] = {}
+        if not qids:
+            return out
+        vq = self.encode([queries[q] for q in qids])
+        for i, q in enumerate(qids):
+            ids = [d for d in candidates[q] if d in self.index]
+            out[q] = dict(zip(ids, (self.index.vectors(ids) @ vq[i]).tolist()))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) Hybrid retrieval (Eq. 8) and λ_test tuning
+# ---------------------------------------------------------------------------------------------
+
+Candidates = dict[str, dict[str, tuple[float, float]]]   # qid → doc_id → (s_lex, s_emb)
+DEFAULT_LAMBDA_GRID: tuple[float, ...] = (0.0, *[round(float(x), 6) for x in np.geomspace(1e-3, 10.0, 41)])
+
+
+def hybrid_candidates(lex_run: Run, dense_run: Run,
+                      lex_score: Callable[[str, list[str]], Mapping[str, float]] | None = None,
+                      emb_score: Callable[[str, list[str]], Mapping[str, float]] | None = None) -> Candidates:
+    """The union of both runs with both scores per (query, document).
+
+    A member found by one side only gets the other side's score from ``lex_score(qid, doc_ids)`` /
+    ``emb_score(qid, doc_ids)`` (exact), or, without a scorer, the lowest score that side returned for
+    the query. The document ranked below that side's cut-off, so this is an upper bound on its true
+    score: cheap, but it can favour such documents slightly, which is why retrievers fetch exact
+    scores by default (``HybridConfig.exact``).
+    """
+    out: Candidates = {}
+    for qid in set(lex_run) | set(dense_run):
+        lex = dict(lex_run.get(qid, []))
+        emb = dict(dense_run.get(qid, []))
+        need_lex = [d for d in emb if d not in lex]
+        need_emb = [d for d in lex if d not in emb]
+        lex.update(_fill(qid, need_lex, lex_score, lex))
+        emb.update(_fill(qid, need_emb, emb_score, emb))
+        out[qid] = {d: (float(lex[d]), float(emb[d])) for d in lex.keys() | emb.keys() if d in lex and d in emb}
+    return out
+
+
+def _fill(qid: str, ids: list[str], scorer, have: Mapping[str, float]) -> dict[str, float]:
+    if not ids:
+        return {}
+    if scorer is not None:
+        got = dict(scorer(qid, ids))
+        if len(got) == len(ids):
+            return got
+        ids = [d for d in ids if d not in got]
+    else:
+        got = {}
+    floor = min(have.values()) if have else 0.0
+    return {**got, **{d: floor for d in ids}}
+
+
+def fuse(candidates: Candidates, lam: float, k: int = 1000) -> Run:
+    """Eq. 8: ``s = λ_test · s_lex + s_emb``, top k per query, best first (ties by doc id)."""
+    run: Run = {}
+    for qid, docs in candidates.items():
+        scored = [(d, lam * sl + se) for d, (sl, se) in docs.items()]
+        scored.sort(key=lambda x: (-x[1], x[0]))
+        run[qid] = scored[:k]
+    return run
+
+
+def tune_lambda(candidates: Candidates, qrels: Mapping[str, Mapping[str, int]],
+                grid: Sequence[float] = DEFAULT_LAMBDA_GRID, k: int = 1000) -> tuple[float, dict[float, float]]:
+    """Grid search of λ_test maximising nDCG@10 over the judged queries in ``candidates``.
+
+    Returns ``(best λ, {λ: nDCG@10})``; ties go to the smaller λ (the grid is scanned in order).
+    """
+    from ckray.eval import ndcg_at_10
+
+    judged = {q: dict(r) for q, r in qrels.items() if q in candidates and r}
+    if not judged:
+        raise ConfigError("tune_lambda: none of the candidate queries has judgments")
+    cands = {q: candidates[q] for q in judged}
+    table = {float(lam): ndcg_at_10(fuse(cands, float(lam), k), judged) for lam in sorted(grid)}
+    best = max(table, key=lambda lam: (table[lam], -lam))
+    log.info("λ_test = %g (nDCG@10 %.4f on %d queries; λ=0 gives %.4f)", best, table[best], len(judged),
+             table.get(0.0, float("nan")))
+    return best, table
+
+
+@dataclass
+class HybridConfig:
+    """Eq. 8 retrieval. ``lam`` is λ_test; depths are the candidate lists taken from each side."""
+
+    lam: float = 0.05
+    lex_depth: int = 1000
+    dense_depth: int = 100
+    exact: bool = True            # fetch missing scores exactly (else: lowest score of that side)
+    tuned: dict = field(default_factory=dict)
+
+
+class HybridRetriever:
+    """BM25 ∪ dense candidates, ``s = λ_test · s_lex + s_emb`` (Eq. 8)."""
+
+    def __init__(self, lexical: Any, dense: DenseRetriever, config: HybridConfig | None = None):
+        self.lexical, self.dense, self.config = lexical, dense, config or HybridConfig()
+
+    def candidates(self, queries: Mapping[str, str], k: int | None = None) -> Candidates:
+        cfg = self.config
+        lex_run = self.lexical.search(dict(queries), max(cfg.lex_depth, k or 0))
+        dense_run = self.dense.search(queries, max(cfg.dense_depth, 0))
+        lex_score = emb_score = None
+        if cfg.exact:
+            emb_score = lambda q, ids: self.dense.score({q: queries[q]}, {q: ids}).get(q, {})  # noqa: E731
+            if hasattr(self.lexical, "score"):
+                lex_score = lambda q, ids: {d: self.lexical.score(queries[q], d) for d in ids}  # noqa: E731
+        return hybrid_candidates(lex_run, dense_run, lex_score, emb_score)
+
+    def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
+        run = fuse(self.candidates(queries, k), self.config.lam, k)
+        return {q: run.get(q, []) for q in queries}
+
+    def tune(self, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]],
+             grid: Sequence[float] = DEFAULT_LAMBDA_GRID) -> tuple[float, dict[float, float]]:
+        """Set λ_test by grid search on nDCG@10 over ``queries`` (training queries, never test)."""
+        best, table = tune_lambda(self.candidates(queries), qrels, grid)
+        self.config.lam = best
+        self.config.tuned = {"queries": len(queries), "ndcg@10": table[best], "grid": {str(k): v for k, v in table.items()}}
+        return best, table
+
+
+def tune_hybrid(workdir: str | os.PathLike, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]],
+                checkpoint: str | os.PathLike | None = None, config: HybridConfig | None = None,
+                grid: Sequence[float] = DEFAULT_LAMBDA_GRID) -> HybridConfig:
+    """Tune λ_test on *training* queries with BM25 (``W/bm25``) + the dense index, save ``W/dense/hybrid.json``."""
+    from ckray.lexical.bm25 import bm25_retriever
+
+    hybrid = HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint), config or HybridConfig())
+    hybrid.tune(queries, qrels, grid)
+    save_hybrid_config(workdir, hybrid.config)
+    return hybrid.config
+
+
+def save_hybrid_config(workdir: str | os.PathLike, config: HybridConfig) -> Path:
+    return write_json_atomic(asdict(config), Path(workdir) / DENSE_DIR / HYBRID_FILE)
+
+
+def load_hybrid_config(workdir: str | os.PathLike) -> HybridConfig:
+    path = Path(workdir) / DENSE_DIR / HYBRID_FILE
+    if not path.exists():
+        raise MissingArtifactError(f"no tuned λ_test at {path}: run jobs/build_dense_index.py (it tunes λ on "
+                                   f"training queries)")
+    return HybridConfig(**json.loads(path.read_text()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline factories (ckray.pipelines: "clear-dense", "clear")
+# ---------------------------------------------------------------------------------------------
+
+def dense_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+                    **options: Any) -> DenseRetriever:
+    """``clear-dense``: the CLEAR query tower over ``W/dense/index`` (its checkpoint from the index metadata)."""
+    index = DenseIndex.load(index_dir(workdir))
+    ckpt = checkpoint or index.meta.get("checkpoint") or default_checkpoint(workdir)
+    if not Path(ckpt).exists():
+        ckpt = default_checkpoint(workdir)
+    return DenseRetriever(ckpt, index, **options)
+
+
+def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+                     lam: float | None = None, **options: Any) -> HybridRetriever:
+    """``clear``: BM25 + CLEAR dense with the λ_test tuned on training queries (``W/dense/hybrid.json``)."""
+    from ckray.lexical.bm25 import bm25_retriever
+
+    config = load_hybrid_config(workdir)
+    if lam is not None:
+        config.lam = lam
+    return HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint, **options), config)

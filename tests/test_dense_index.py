@@ -1,0 +1,280 @@
+"""Dense index for CLEAR: the Ray Data embedding job, the faiss index, hybrid retrieval (Eq. 8)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from ckray.data.shards import marker_path, shard_name, write_json_atomic, write_parquet_atomic
+from ckray.errors import MissingArtifactError
+from ckray.index.dense import (DenseIndex, DenseRetriever, EmbedConfig, HybridConfig, HybridRetriever, IndexConfig,
+                               embed_corpus, embeddings_dir, fuse, hybrid_candidates, read_embedding_shards,
+                               tune_lambda, write_embedding_shard)
+from ckray.models.checkpoint import load_model, save_model
+from ckray.models.clear import CLEAR, CLEARConfig
+
+TINY_BERT = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 64, "max_position_embeddings": 128}
+WORDS = ("fever infection protein folding cell membrane virus vaccine cancer tumour gene expression "
+         "neuron synapse insulin diabetes heart muscle bone calcium").split()
+SHARD_SIZES = (23, 0, 17, 12)     # 52 documents, one empty shard
+
+
+def make_corpus(workdir: Path, sizes=SHARD_SIZES, seed: int = 0) -> list[tuple[str, str, str]]:
+    """Corpus shards + manifest in the documented layout (W/shards/part-NNNNN.parquet)."""
+    rng = np.random.default_rng(seed)
+    docs, shards, n = [], [], 0
+    for i, size in enumerate(sizes):
+        rows = []
+        for _ in range(size):
+            title = " ".join(rng.choice(WORDS, 2))
+            text = " ".join(rng.choice(WORDS, int(rng.integers(3, 40))))
+            rows.append((f"d{n:03d}", title, text))
+            n += 1
+        table = pa.table({c: pa.array([r[j] for r in rows], pa.string()) for j, c in enumerate(("doc_id", "title", "text"))})
+        write_parquet_atomic(table, workdir / "shards" / shard_name(i))
+        shards.append({"name": shard_name(i), "rows": size})
+        docs.extend(rows)
+    write_json_atomic({"shards": shards, "documents": n}, workdir / "shards" / "_manifest.json")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, minilm_path) -> Path:
+    torch.manual_seed(0)
+    model = CLEAR(CLEARConfig(encoder=minilm_path, pretrained=False, bert_config=dict(TINY_BERT), doc_max_len=64))
+    return save_model(model, tmp_path_factory.mktemp("ckpt") / "clear")
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory, tiny_checkpoint, ray_session):
+    """A work directory whose corpus was embedded once by the Ray Data job (one actor)."""
+    workdir = tmp_path_factory.mktemp("W")
+    docs = make_corpus(workdir)
+    summary = embed_corpus(workdir, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8, encode_batch_size=4),
+                           progress=False)
+    return workdir, docs, summary
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory, tiny_checkpoint):
+    """Embedding shards written directly (no Ray): what the job writes, for the index tests."""
+    workdir = tmp_path_factory.mktemp("W_direct")
+    docs = make_corpus(workdir)
+    expected = _expected_embeddings(tiny_checkpoint, docs)
+    for i, chunk in enumerate((docs[:30], docs[30:])):
+        ids = [d for d, _, _ in chunk]
+        write_embedding_shard(embeddings_dir(workdir) / shard_name(i), ids, [np.stack([expected[d] for d in ids])],
+                              False, {"source": shard_name(i)})
+    return workdir, docs
+
+
+def _expected_embeddings(checkpoint, docs) -> dict[str, np.ndarray]:
+    model = load_model(checkpoint)
+    emb = model.encode_documents([f"{t} {x}".strip() for _, t, x in docs]).numpy()
+    return {d: e for (d, _, _), e in zip(docs, emb)}
+
+
+# ------------------------------------------------------------------------------------ embedding job
+
+@pytest.mark.slow
+def test_embedding_job_writes_every_document_exactly_once(embedded, tiny_checkpoint):
+    workdir, docs, summary = embedded
+    assert summary["documents"] == len(docs) == 52
+    assert summary["shards_written"] == len(SHARD_SIZES) and summary["shards_skipped"] == 0
+    assert summary["batches"] >= 52 // 8     # results stream back per actor batch (batch_size=8)
+    out = embeddings_dir(workdir)
+    for i, size in enumerate(SHARD_SIZES):   # one embedding shard per corpus shard, same documents
+        t = pq.read_table(out / shard_name(i))
+        assert t.num_rows == size and marker_path(out / shard_name(i)).exists()
+    ids, x = read_embedding_shards(out)
+    assert sorted(ids) == sorted(d for d, _, _ in docs) and len(set(ids)) == len(ids)
+    assert x.shape == (52, 32) and x.dtype == np.float32
+    assert pq.read_table(out / shard_name(0)).schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    expected = _expected_embeddings(tiny_checkpoint, docs)
+    np.testing.assert_allclose(x, np.stack([expected[d] for d in ids]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_rerun_skips_finished_shards_and_redoes_broken_ones(embedded, tiny_checkpoint):
+    workdir, docs, _ = embedded
+    out = embeddings_dir(workdir)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+
+    again = embed_corpus(workdir, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8), progress=False)
+    assert again["shards_written"] == 0 and again["shards_skipped"] == len(SHARD_SIZES) and again["documents"] == 0
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")} == before
+
+    # a crash mid-write: shard 0 truncated under its final name, shard 2's marker never written,
+    # and a temporary file of an interrupted atomic write left behind
+    data = (out / shard_name(0)).read_bytes()
+    (out / shard_name(0)).write_bytes(data[: len(data) // 2])
+    marker_path(out / shard_name(2)).unlink()
+    (out / f".{shard_name(3)}.tmp-123-abcdef12").write_bytes(b"partial")
+
+    redo = embed_corpus(workdir, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8), progress=False)
+    assert redo["shards_written"] == 2 and redo["shards_skipped"] == 2
+    assert redo["documents"] == SHARD_SIZES[0] + SHARD_SIZES[2]
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    assert after[shard_name(1)] == before[shard_name(1)] and after[shard_name(3)] == before[shard_name(3)]
+    assert not list(out.glob(".*tmp*"))
+    ids, x = read_embedding_shards(out)
+    assert sorted(ids) == sorted(d for d, _, _ in docs) and len(set(ids)) == len(ids)
+    expected = _expected_embeddings(tiny_checkpoint, docs)
+    np.testing.assert_allclose(x, np.stack([expected[d] for d in ids]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_float16_with_two_actors_and_a_new_checkpoint_redoes_everything(tmp_path, tiny_checkpoint, ray_session):
+    docs = make_corpus(tmp_path, sizes=(15, 15, 10), seed=1)
+    first = embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=2, batch_size=4, float16=True), progress=False)
+    assert first["shards_written"] == 3 and first["documents"] == 40
+    assert pq.read_table(embeddings_dir(tmp_path) / shard_name(0)).schema.field("embedding").type == \
+        pa.list_(pa.float16(), 32)
+    ids, x = read_embedding_shards(embeddings_dir(tmp_path))
+    expected = _expected_embeddings(tiny_checkpoint, docs)
+    np.testing.assert_allclose(x, np.stack([expected[d] for d in ids]), atol=2e-3)
+    # another model: nothing may be reused
+    other = load_model(tiny_checkpoint)
+    with torch.no_grad():
+        other.projection.weight.mul_(2.0)
+    other_ckpt = save_model(other, tmp_path / "other")
+    second = embed_corpus(tmp_path, other_ckpt, EmbedConfig(actors=1, batch_size=8, float16=True), progress=False)
+    assert second["shards_written"] == 3 and second["shards_skipped"] == 0
+
+
+def test_steady_rate_counts_documents_after_the_first_completion():
+    from ckray.index.dense import _steady_rate
+
+    # batches of 10 finishing at t = 100 (after start-up), 102, 104, 106 → 30 docs in 6 s
+    assert _steady_rate([(104.0, 10), (100.0, 10), (106.0, 10), (102.0, 10)]) == pytest.approx(5.0)
+    assert _steady_rate([(1.0, 10)]) == 0.0
+
+
+def test_missing_checkpoint_is_reported(tmp_path):
+    make_corpus(tmp_path, sizes=(3,))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MissingArtifactError, match="checkpoint"):
+        embed_corpus(tmp_path, tmp_path / "empty", progress=False)
+
+
+# ------------------------------------------------------------------------------------- faiss index
+
+def _brute_force(x: np.ndarray, ids: list[str], q: np.ndarray, k: int) -> list[list[str]]:
+    s = q @ x.T
+    return [[ids[j] for j in np.argsort(-row, kind="stable")[:k]] for row in s]
+
+
+def test_flat_index_matches_brute_force_and_reloads(encoded, tmp_path):
+    workdir, _ = encoded
+    index = DenseIndex.from_shards(embeddings_dir(workdir))
+    ids, x = read_embedding_shards(embeddings_dir(workdir))
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(6, 32)).astype(np.float32)
+    hits = index.search(q, 10)
+    assert [[d for d, _ in h] for h in hits] == _brute_force(x, ids, q, 10)
+    np.testing.assert_allclose([[s for _, s in h] for h in hits], np.sort(q @ x.T, axis=1)[:, ::-1][:, :10], rtol=1e-5)
+
+    index.save(tmp_path / "index")
+    assert sorted(os.listdir(tmp_path / "index")) == ["doc_ids.parquet", "index.faiss", "meta.json"]
+    loaded = DenseIndex.load(tmp_path / "index")
+    assert loaded.meta["kind"] == "flat" and loaded.meta["count"] == 52 and len(loaded) == 52
+    assert loaded.search(q, 10) == hits
+    np.testing.assert_array_equal(loaded.vectors(ids[:5]), x[:5])
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf", "ivfpq"])
+def test_approximate_indexes_reload_identically(kind, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 32)).astype(np.float32)
+    ids = [f"d{i}" for i in range(400)]
+    q = rng.normal(size=(5, 32)).astype(np.float32)
+    index = DenseIndex.build(ids, x, IndexConfig(kind=kind, nlist=8, nprobe=8, pq_m=8, pq_bits=4))
+    hits = index.search(q, 10)
+    index.save(tmp_path / kind)
+    loaded = DenseIndex.load(tmp_path / kind)
+    assert loaded.search(q, 10) == hits
+    exact = _brute_force(x, ids, q, 10)
+    overlap = np.mean([len({d for d, _ in h} & set(e)) / 10 for h, e in zip(hits, exact)])
+    assert overlap >= (0.9 if kind != "ivfpq" else 0.4)      # nprobe = nlist: only PQ approximates
+    assert loaded.vectors(["d3"]).shape == (1, 32)
+
+
+def test_load_missing_index_raises(tmp_path):
+    with pytest.raises(MissingArtifactError, match="build_dense_index"):
+        DenseIndex.load(tmp_path / "nothing")
+
+
+def test_dense_retriever_returns_brute_force_top10(encoded, tiny_checkpoint, tmp_path):
+    workdir, docs = encoded
+    DenseIndex.from_shards(embeddings_dir(workdir)).save(tmp_path / "index")
+    retriever = DenseRetriever(tiny_checkpoint, tmp_path / "index")
+    queries = {"q1": "fever infection", "q2": "protein folding in the cell", "q3": "   "}
+    run = retriever.search(queries, k=10)
+    assert run["q3"] == [] and len(run["q1"]) == 10
+    model = load_model(tiny_checkpoint)
+    vq = model.encode_queries([queries["q1"], queries["q2"]]).numpy()
+    ids, x = read_embedding_shards(embeddings_dir(workdir))
+    assert [[d for d, _ in run[q]] for q in ("q1", "q2")] == _brute_force(x, ids, vq, 10)
+    # exact s_emb for arbitrary documents equals the score search returned
+    d, s = run["q1"][3]
+    assert retriever.score(queries, {"q1": [d]})["q1"][d] == pytest.approx(s, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ hybrid
+
+LEX = {"q1": [("A", 10.0), ("B", 5.0)], "q2": [("D", 10.0), ("C", 5.0)]}
+EMB = {"q1": [("B", 0.5), ("A", 0.1)], "q2": [("C", 0.9), ("D", 0.1), ("E", 0.05)]}
+QRELS = {"q1": {"A": 1}, "q2": {"C": 1}}
+
+
+def test_fuse_is_eq8_over_the_union():
+    cands = hybrid_candidates(LEX, EMB, lex_score=lambda q, ids: {d: 1.0 for d in ids})
+    assert cands["q2"]["E"] == (1.0, 0.05)                  # dense-only: exact s_lex from the scorer
+    run = fuse(cands, 0.05, k=10)
+    assert [d for d, _ in run["q1"]] == ["B", "A"]
+    assert dict(run["q1"]) == pytest.approx({"A": 0.05 * 10 + 0.1, "B": 0.05 * 5 + 0.5})
+    assert [d for d, _ in fuse(cands, 1.0, k=10)["q2"]] == ["D", "C", "E"]
+    assert [d for d, _ in fuse(cands, 0.0, k=2)["q2"]] == ["C", "D"]
+    # without a scorer the missing score is the lowest that side returned for the query
+    assert hybrid_candidates(LEX, EMB)["q2"]["E"] == (5.0, 0.05)
+
+
+def test_tune_lambda_finds_the_interval_that_ranks_both_relevant_documents_first():
+    # q1 needs λ > 0.4/5 = 0.08 (BM25 must overturn the embedding); q2 needs λ < 0.8/5 = 0.16.
+    best, table = tune_lambda(hybrid_candidates(LEX, EMB), QRELS)
+    assert 0.08 < best < 0.16 and table[best] == pytest.approx(1.0)
+    assert table[0.0] < 1.0 and table[max(table)] < 1.0
+    assert best == min(lam for lam, v in table.items() if v == table[best])   # smallest of the ties
+
+
+class _FakeLexical:
+    def search(self, queries, k):
+        return {q: LEX[q][:k] for q in queries}
+
+    def score(self, query, doc_id):
+        return 2.0
+
+
+class _FakeDense:
+    def search(self, queries, k):
+        return {q: EMB[q][:k] for q in queries}
+
+    def score(self, queries, candidates):
+        return {q: {d: -1.0 for d in ids} for q, ids in candidates.items()}
+
+
+def test_hybrid_retriever_fetches_exact_scores_and_tunes_on_training_queries():
+    hybrid = HybridRetriever(_FakeLexical(), _FakeDense(), HybridConfig(lam=1.0, dense_depth=3))
+    cands = hybrid.candidates({"q1": "x", "q2": "y"})
+    assert cands["q2"]["E"] == (2.0, 0.05)                  # s_lex from the Lucene-style scorer
+    best, _ = hybrid.tune({"q1": "x", "q2": "y"}, QRELS)
+    assert hybrid.config.lam == best and 0.08 < best < 0.16
+    run = hybrid.search({"q1": "x", "q2": "y"}, k=1)
+    assert run == {"q1": [("A", pytest.approx(best * 10 + 0.1))], "q2": [("C", pytest.approx(best * 5 + 0.9))]}
