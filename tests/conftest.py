@@ -64,7 +64,10 @@ def ray_head(tmp_path_factory):
     proc = subprocess.Popen(
         [ray_bin, "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
          "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true", "--block",
-         f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
+         f"--ray-client-server-port={free_port()}", "--disable-usage-stats",
+         # every port its own: several heads (other test sessions) may share this machine
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "RAY_AUTH_MODE": "token"},
     )

@@ -19,6 +19,19 @@ def run(cmd, env=None, timeout=600):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=e, timeout=timeout)
 
 
+def submit(ray_head, job: list[str], timeout=900):
+    """`ray job submit` to the local head; retried while the head's job agent is still starting."""
+    import time
+
+    cmd = [ray_head["ray_bin"], "job", "submit", "--address", ray_head["dashboard"], "--working-dir", ".", "--", *job]
+    for _ in range(12):
+        p = run(cmd, env=ray_head["env"], timeout=timeout)
+        if "No available agent" not in p.stdout + p.stderr:
+            return p
+        time.sleep(10)
+    return p
+
+
 @pytest.mark.slow
 def test_prepare_and_evaluate_as_scripts(tmp_path):
     data = generate_sample(tmp_path / "data")
@@ -47,11 +60,23 @@ def test_bad_flags_give_clear_errors(tmp_path):
 def test_ray_job_submit_to_a_local_head(ray_head, tmp_path):
     data = generate_sample(tmp_path / "data")
     w = tmp_path / "w"
-    env = ray_head["env"]
     for job in (["jobs/prepare.py", "--data", str(data), "--workdir", str(w), "--shards", "2"],
                 ["jobs/evaluate.py", "--data", str(data), "--workdir", str(w), "--pipeline", "bm25"]):
-        p = run([ray_head["ray_bin"], "job", "submit", "--address", ray_head["dashboard"], "--working-dir", ".",
-                 "--", "python", *job], env=env)
+        p = submit(ray_head, ["python", *job])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert "succeeded" in (p.stdout + p.stderr).lower()
     assert json.loads((w / "metrics" / "bm25-test.json").read_text())["nDCG@10"] > 0.3
+
+
+@pytest.mark.slow
+def test_ray_job_submit_train_ck(ray_head, tmp_path):
+    """`ray job submit -- python jobs/train_ck.py …` against a local head: 2 workers, DeepSpeed ZeRO-2."""
+    data = generate_sample(tmp_path / "data")
+    w = tmp_path / "w"
+    p = submit(ray_head, ["python", "jobs/train_ck.py", "--data", str(data), "--workdir", str(w), "--workers", "2",
+             "--max-steps", "4", "--eval-every", "2", "--batch-size", "2", "--layers", "1", "--max-doc-len", "128",
+             "--max-dev-queries", "5", "--dev-depth", "10"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((w / "checkpoints" / "ck-qti" / "train_summary.json").read_text())
+    assert summary["steps"] == 4 and summary["config"]["workers"] == 2 and summary["config"]["zero_stage"] == 2
+    assert (w / "checkpoints" / "ck-qti" / "model.safetensors").exists()
