@@ -69,7 +69,9 @@ def ray_head(tmp_path_factory):
          f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
          f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "RAY_AUTH_MODE": "token"},
+        # the venv's bin first on PATH: a job's `python` must be this environment's, activated or not
+        env={**os.environ, "RAY_AUTH_MODE": "token",
+             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
@@ -89,7 +91,8 @@ def ray_head(tmp_path_factory):
         os.killpg(proc.pid, signal.SIGTERM)
         raise RuntimeError(f"Ray head did not come up: {log.read_text()}")
     # Token authentication is on: clients find the token `ray start` wrote in ~/.ray/auth_token.
-    env = {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+    env = {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     yield {"dashboard": address, "gcs": f"127.0.0.1:{port}", "ray_bin": ray_bin, "env": env}
     os.killpg(proc.pid, signal.SIGTERM)
     try:
