@@ -78,3 +78,13 @@ def test_clear_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path
     config = CLEARConfig(pretrained=False, bert_config=bert, doc_max_len=128, query_max_len=32)
     task = CLEARTask(model_config=config, loss_config=CLEARLossConfig(xi=0.5, lambda_train=0.05), name="clear-test")
     _train(task, scifact_sample, tmp_path, lr=1e-3)
+
+
+@pytest.mark.slow
+def test_qds_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path):
+    from ckray.models.qds import QDSConfig, QDSTask
+
+    bert = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 512}
+    config = QDSConfig(pretrained=False, bert_config=bert, max_length=256, window=32)
+    _train(QDSTask(model_config=config, name="qds-test"), scifact_sample, tmp_path, lr=1e-3)

@@ -1,0 +1,366 @@
+"""QDS-Transformer: a long-document BERT cross-encoder with query-directed sparse attention.
+
+Jiang, Xiong, Lee, Wang (2020), "Long Document Ranking with Query-Directed Sparse Transformer",
+Findings of EMNLP 2020, arXiv:2010.12683.
+
+Input (§3): one sequence per (query, document) pair, the document split into sentences, each
+opened by a sentence-start token::
+
+    [CLS] q₁ … q_m [SEP] [SOS] s₁,₁ … s₁,ₖ [SOS] s₂,₁ … [SEP]          (up to ``max_length`` tokens)
+
+[SOS] is a reserved vocabulary entry (``[unused1]`` in BERT's WordPiece vocabulary); sentences come
+from a simple punctuation regex. Segment ids are 0 for ``[CLS] query [SEP]`` and 1 for the rest.
+
+Attention (Eq. 7–10): every layer's self-attention is replaced by
+``A_QDS = A_local ∪ A_sent ∪ A_query ∪ A_[CLS]`` — a local window of w tokens, every token attends to
+every [SOS], and the query tokens and [CLS] attend to and are attended by every token — computed by
+``ckray.models.sparse_attention.qds_attention`` in O(n·(w + g)). ``pattern="longformer-qa"`` (local +
+[CLS]/query global, no [SOS] hierarchy) and ``pattern="local"`` are the ablations.
+
+Weights: a pretrained BERT (default: the offline all-MiniLM-L6-v2, 6 layers, 384 hidden, 12 heads,
+512 positions). Everything except the attention pattern is BERT's own layer: the query/key/value
+projections, the attention output dense + LayerNorm, the intermediate and output feed-forward +
+LayerNorm are the ``BertLayer`` submodules, run by ``QDSTransformer._layer`` below. Position
+embeddings are extended past 512 by copying the pretrained table (row i ← row i mod 512), as
+Longformer did. The relevance score is a linear head on the final [CLS] vector.
+
+With a window covering the whole sequence the model is exactly BERT on ``[CLS] q [SEP] d [SEP]``
+(plus the [SOS] tokens), which ``tests/test_qds_model.py`` checks. Encoders: BERT-family models
+whose layers have BERT's submodules and whose positions start at 0 (BERT, MiniLM, ELECTRA);
+RoBERTa's position offset and vocabulary (no ``[unused*]`` tokens) are not handled.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModel, BertConfig
+
+from ckray.errors import ConfigError
+from ckray.models.encoders import DEFAULT_ENCODER, load_tokenizer, resolve_encoder
+from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class QDSConfig:
+    """Hyperparameters of the QDS-Transformer (everything needed to rebuild it from a checkpoint).
+
+    encoder:          Hugging Face id or directory of a BERT-family encoder (absolute positions) and
+                      its tokenizer.
+    max_length:       tokens per (query, document) sequence, [CLS]/[SEP]/[SOS] included (paper: 2048).
+    max_query_length: query word pieces kept.
+    window:           local attention span w: token i sees j when |i − j| ≤ w // 2 (Eq. 7).
+    pattern:          "qds" (Eq. 7–10), "longformer-qa" (local + [CLS]/query global) or "local".
+    sentence_rows_global: also let [SOS] rows attend to every token (symmetric sentence hierarchy).
+    sos_token:        the vocabulary entry used as [SOS].
+    block_size:       band block of the sparse attention (None: w // 2).
+    num_layers:       keep only the first layers of the encoder (None: all).
+    gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
+    pretrained:       load pretrained encoder weights in ``__init__``. A constructed model records the
+                      (position-extended) architecture in ``bert_config`` and sets this to False in
+                      ``self.config``, so a checkpoint rebuilds it without fetching weights.
+    bert_config:      encoder architecture (a ``transformers`` config dict); with ``pretrained=False``
+                      the encoder is built from it with random weights (tests use a tiny one).
+    """
+
+    encoder: str = DEFAULT_ENCODER
+    max_length: int = 2048
+    max_query_length: int = 64
+    window: int = 128
+    pattern: str = "qds"
+    sentence_rows_global: bool = False
+    sos_token: str = "[unused1]"
+    block_size: int | None = None
+    num_layers: int | None = None
+    gradient_checkpointing: bool = False
+    pretrained: bool = True
+    bert_config: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        self.encoder = str(self.encoder)
+        if self.pattern not in PATTERNS:
+            raise ConfigError(f"QDSConfig.pattern must be one of {PATTERNS}, got {self.pattern!r}")
+        if self.window < 0:
+            raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
+        if self.max_query_length < 1 or self.max_length < self.max_query_length + 4:
+            raise ConfigError(f"QDSConfig.max_length={self.max_length} must leave room for "
+                              f"max_query_length={self.max_query_length} + [CLS], [SEP], [SOS], [SEP]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input: [CLS] query [SEP] [SOS] sentence … [SEP]
+# ---------------------------------------------------------------------------------------------
+
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of ``text``: breaks after ``.``, ``!``, ``?`` followed by white space, and at newlines."""
+    return [s for s in (p.strip() for p in _SENTENCE_BREAK.split(text)) if s]
+
+
+def encode_pairs(tokenizer, queries: Sequence[str], docs: Sequence[str], config: QDSConfig,
+                 pad_to_multiple_of: int = 8) -> dict[str, torch.Tensor]:
+    """Tokenise (query, document) pairs into one padded batch of QDS sequences.
+
+    Returns ``input_ids``, ``token_type_ids`` (long), and ``attention_mask`` (real tokens),
+    ``global_mask`` ([CLS] + query tokens, Eq. 9–10), ``sentence_mask`` ([SOS] tokens, Eq. 8) (bool),
+    all ``[B, n]``. Documents are cut at ``config.max_length`` tokens; a sentence that does not fit
+    is truncated and the rest dropped.
+    """
+    if len(queries) != len(docs):
+        raise ValueError(f"need aligned lists, got {len(queries)} queries and {len(docs)} documents")
+    sos = tokenizer.convert_tokens_to_ids(config.sos_token)
+    if sos is None or sos == tokenizer.unk_token_id:
+        raise ConfigError(f"QDSConfig.sos_token {config.sos_token!r} is not in the vocabulary of "
+                          f"{config.encoder}; pick a reserved/unused token of that tokenizer")
+    cls, sep, pad = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
+    limit = config.max_length
+    query_ids = tokenizer([str(q) for q in queries], add_special_tokens=False, truncation=True,
+                          max_length=config.max_query_length)["input_ids"]
+    # No document sentence can use more than max_length tokens; cap the text read accordingly.
+    sentences = [split_sentences(str(d)[: 12 * limit]) for d in docs]
+    flat = [s for ss in sentences for s in ss]
+    flat_ids = tokenizer(flat, add_special_tokens=False, truncation=True,
+                         max_length=limit)["input_ids"] if flat else []
+
+    rows: list[tuple[list[int], int, list[int]]] = []      # (ids, query length, [SOS] positions)
+    cursor = 0
+    for q_ids, doc_sentences in zip(query_ids, sentences):
+        ids = [cls, *q_ids, sep]
+        sos_positions = []
+        for s_ids in flat_ids[cursor: cursor + len(doc_sentences)]:
+            room = limit - 1 - len(ids)                        # keep one slot for the final [SEP]
+            if room < 2:
+                break
+            sos_positions.append(len(ids))
+            ids += [sos, *s_ids[: room - 1]]
+        cursor += len(doc_sentences)
+        rows.append((ids + [sep], len(q_ids), sos_positions))
+
+    n = max(len(ids) for ids, _, _ in rows)
+    n = min(limit, math.ceil(n / pad_to_multiple_of) * pad_to_multiple_of) if pad_to_multiple_of else n
+    batch = {
+        "input_ids": torch.full((len(rows), n), pad, dtype=torch.long),
+        "token_type_ids": torch.zeros(len(rows), n, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), n, dtype=torch.bool),
+        "global_mask": torch.zeros(len(rows), n, dtype=torch.bool),
+        "sentence_mask": torch.zeros(len(rows), n, dtype=torch.bool),
+    }
+    for i, (ids, q_len, sos_positions) in enumerate(rows):
+        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        batch["token_type_ids"][i, q_len + 2: len(ids)] = 1
+        batch["attention_mask"][i, : len(ids)] = True
+        batch["global_mask"][i, : q_len + 1] = True
+        batch["sentence_mask"][i, sos_positions] = True
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+class QDSTransformer(nn.Module):
+    """BERT layers with QDS attention; ``score = w · h_[CLS] + b``."""
+
+    def __init__(self, config: QDSConfig | None = None):
+        super().__init__()
+        config = config or QDSConfig()
+        bert = self._build_encoder(config)
+        _extend_positions(bert, config.max_length)
+        self.bert = bert
+        hidden = bert.config.hidden_size
+        self.dropout = nn.Dropout(bert.config.hidden_dropout_prob)
+        self.score = nn.Linear(hidden, 1)
+        nn.init.normal_(self.score.weight, std=bert.config.initializer_range)
+        nn.init.zeros_(self.score.bias)
+        self.config = replace(config, pretrained=False, bert_config=_architecture(bert.config))
+        self.tokenizer = load_tokenizer(config.encoder)
+
+    @staticmethod
+    def _build_encoder(config: QDSConfig) -> nn.Module:
+        if config.pretrained:
+            hf_config = AutoConfig.from_pretrained(resolve_encoder(config.encoder))
+        elif config.bert_config is not None:
+            arch = dict(config.bert_config)
+            model_type = arch.pop("model_type", "bert")
+            hf_config = BertConfig(**arch) if model_type == "bert" else AutoConfig.for_model(model_type, **arch)
+        else:
+            hf_config = AutoConfig.from_pretrained(resolve_encoder(config.encoder))
+        if config.num_layers is not None:
+            hf_config.num_hidden_layers = config.num_layers
+        if config.pretrained:
+            return AutoModel.from_pretrained(resolve_encoder(config.encoder), config=hf_config,
+                                             add_pooling_layer=False)
+        return AutoModel.from_config(hf_config, add_pooling_layer=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.score.weight.device
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def _layer(self, layer: nn.Module, hidden: torch.Tensor, layout) -> torch.Tensor:
+        """One ``BertLayer`` with its self-attention computed by ``qds_attention``."""
+        attn = layer.attention.self
+        bsz, n, _ = hidden.shape
+
+        def heads(x: torch.Tensor) -> torch.Tensor:                          # [B, n, H·d] → [B, H, n, d]
+            return x.view(bsz, n, attn.num_attention_heads, attn.attention_head_size).transpose(1, 2)
+
+        q, k, v = heads(attn.query(hidden)), heads(attn.key(hidden)), heads(attn.value(hidden))
+        context = qds_attention(q, k, v, layout, dropout_p=attn.dropout.p if self.training else 0.0,
+                                scale=attn.attention_head_size ** -0.5)
+        context = context.transpose(1, 2).reshape(bsz, n, -1)
+        hidden = layer.attention.output(context, hidden)               # dense, dropout, LN(x + ·)
+        return layer.output(layer.intermediate(hidden), hidden)        # FFN, dropout, LN(x + ·)
+
+    def encode(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Final hidden states ``[B, n, hidden]`` of a batch from ``encode_pairs``."""
+        input_ids = batch["input_ids"].to(self.device)
+        bsz, n = input_ids.shape
+        if n > self.bert.config.max_position_embeddings:
+            raise ConfigError(f"sequence of {n} tokens exceeds max_length={self.config.max_length}")
+        position_ids = torch.arange(n, device=self.device).expand(bsz, n)
+        hidden = self.bert.embeddings(input_ids=input_ids, position_ids=position_ids,
+                                      token_type_ids=batch["token_type_ids"].to(self.device))
+        layout = build_layout(batch["attention_mask"].to(self.device), self.config.window,
+                              batch["global_mask"].to(self.device), batch["sentence_mask"].to(self.device),
+                              pattern=self.config.pattern,
+                              sentence_rows_global=self.config.sentence_rows_global,
+                              block_size=self.config.block_size)
+        for layer in self.bert.encoder.layer:
+            if self.config.gradient_checkpointing and self.training:
+                hidden = checkpoint(self._layer, layer, hidden, layout, use_reentrant=False)
+            else:
+                hidden = self._layer(layer, hidden, layout)
+        return hidden
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Relevance scores ``[B]`` of a batch from ``encode_pairs`` (or ``build_batch``)."""
+        cls = self.encode(batch)[:, 0]
+        return self.score(self.dropout(cls)).squeeze(-1)
+
+    # -- text API ---------------------------------------------------------------------------------
+
+    def build_batch(self, queries: Sequence[str], docs: Sequence[str]) -> dict[str, torch.Tensor]:
+        """``encode_pairs`` with this model's tokenizer and config."""
+        return encode_pairs(self.tokenizer, queries, docs, self.config)
+
+    @torch.no_grad()
+    def score_texts(self, queries: Sequence[str], docs: Sequence[str], batch_size: int = 8) -> torch.Tensor:
+        """``[N]`` scores of aligned (query, document) texts, on CPU, in eval mode (mode restored).
+
+        Pairs are scored in batches of similar document length (less padding), returned in input order.
+        """
+        if len(queries) != len(docs):
+            raise ValueError(f"score_texts needs aligned lists, got {len(queries)} queries and {len(docs)} documents")
+        was_training = self.training
+        self.eval()
+        try:
+            order = np.argsort([-len(str(d)) for d in docs], kind="stable")
+            scores = torch.empty(len(docs))
+            for i in range(0, len(docs), batch_size):
+                idx = order[i:i + batch_size]
+                batch = self.build_batch([queries[j] for j in idx], [docs[j] for j in idx])
+                scores[torch.as_tensor(idx)] = self(batch).float().cpu()
+            return scores
+        finally:
+            self.train(was_training)
+
+
+def _extend_positions(bert: nn.Module, max_length: int) -> None:
+    """Grow the absolute position table to ``max_length`` rows by copying the pretrained rows
+    (row i ← row i mod P, as Longformer initialised its 4096 positions from RoBERTa's 512)."""
+    emb = bert.embeddings
+    old = emb.position_embeddings.weight
+    if max_length <= old.shape[0]:
+        return
+    reps = math.ceil(max_length / old.shape[0])
+    table = nn.Embedding(max_length, old.shape[1]).to(device=old.device, dtype=old.dtype)
+    with torch.no_grad():
+        table.weight.copy_(old.detach().repeat(reps, 1)[:max_length])
+    emb.position_embeddings = table
+    bert.config.max_position_embeddings = max_length
+    # transformers keeps [1, P] id buffers for calls without explicit ids; keep them consistent.
+    if hasattr(emb, "position_ids"):
+        emb.position_ids = torch.arange(max_length, device=old.device).expand(1, -1)
+    if hasattr(emb, "token_type_ids"):
+        emb.token_type_ids = torch.zeros(1, max_length, dtype=torch.long, device=old.device)
+
+
+def _architecture(hf_config) -> dict[str, Any]:
+    """The JSON-serialisable architecture fields of a transformers config."""
+    skip = {"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+            "id2label", "label2id", "_attn_implementation_autoset"}
+    return {k: v for k, v in hf_config.to_dict().items()
+            if k not in skip and isinstance(v, (int, float, str, bool, type(None), list))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: pairwise loss on (query, d+, d−) triples, the RankerTask plug
+# ---------------------------------------------------------------------------------------------
+
+def collate_triples(rows: Mapping[str, Any], tokenizer, config: QDSConfig) -> dict[str, torch.Tensor]:
+    """A batch of triples (dict of arrays with ``query``, ``pos_text``, ``neg_text``) → one QDS batch
+    of 2B sequences: the B (query, d+) pairs first, then the B (query, d−) pairs."""
+    queries = [str(q) for q in rows["query"]]
+    docs = [str(d) for d in rows["pos_text"]] + [str(d) for d in rows["neg_text"]]
+    return encode_pairs(tokenizer, queries + queries, docs, config)
+
+
+def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", margin: float = 1.0) -> torch.Tensor:
+    """``softmax``: −log e^{s+} / (e^{s+} + e^{s−}) (cross-entropy over the pair);
+    ``hinge``: max(0, margin − s+ + s−). Mean over the batch."""
+    if kind == "softmax":
+        return F.softplus(neg - pos).mean()                 # = −log σ(s+ − s−)
+    if kind == "hinge":
+        return torch.clamp(margin - pos + neg, min=0.0).mean()
+    raise ConfigError(f"pairwise loss must be 'softmax' or 'hinge', not {kind!r}")
+
+
+def triple_loss(model: QDSTransformer, batch: Mapping[str, torch.Tensor], kind: str = "softmax",
+                margin: float = 1.0) -> torch.Tensor:
+    """Score a ``collate_triples`` batch and apply ``pairwise_loss`` to its (d+, d−) halves."""
+    scores = model(batch)
+    pos, neg = scores.view(2, -1)
+    return pairwise_loss(pos, neg, kind, margin)
+
+
+def _ranker_task_base():
+    try:
+        from ckray.train import RankerTask
+    except ImportError:  # pragma: no cover - the shared loop is part of the package
+        return object
+    return RankerTask
+
+
+@dataclass
+class QDSTask(_ranker_task_base()):
+    """QDS-Transformer for :func:`ckray.train.fit`: pairwise loss on (query, d+, BM25 d−) triples."""
+
+    model_config: QDSConfig = field(default_factory=QDSConfig)
+    loss_kind: str = "softmax"
+    margin: float = 1.0
+    name: str = "qds"
+
+    def build_model(self) -> QDSTransformer:
+        return QDSTransformer(self.model_config)
+
+    def collate(self, rows: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return collate_triples(rows, load_tokenizer(self.model_config.encoder), self.model_config)
+
+    def loss(self, model: QDSTransformer, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return triple_loss(model, batch, self.loss_kind, self.margin)

@@ -1,0 +1,262 @@
+"""QDS-Transformer: BERT equivalence, input layout, checkpoints, long inputs, padding, training plug."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ckray.errors import ConfigError
+from ckray.models.checkpoint import load_model, save_model
+from ckray.models.qds import (
+    QDSConfig,
+    QDSTask,
+    QDSTransformer,
+    collate_triples,
+    encode_pairs,
+    pairwise_loss,
+    split_sentences,
+    triple_loss,
+)
+
+TINY_BERT = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=128, type_vocab_size=2,
+                 hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+
+QUERIES = ["does vitamin d reduce fractures?", "tumour growth in mice"]
+DOCS = [
+    "Vitamin D supplements were given to 2,000 adults. Fractures fell by a third! Was it the dose?\n"
+    "A follow-up trial is planned.",
+    "Mice with the mutation grew larger tumours. The effect was absent in controls.",
+]
+
+
+def tiny(**overrides) -> QDSConfig:
+    cfg = dict(pretrained=False, bert_config=TINY_BERT, max_length=128, window=16)
+    cfg.update(overrides)
+    return QDSConfig(**cfg)
+
+
+def long_doc(words: int) -> str:
+    sentence = "the protein binds the receptor in human cells and changes its shape"
+    return ". ".join([sentence] * (words // 12)) + "."
+
+
+@pytest.fixture(scope="module")
+def model() -> QDSTransformer:
+    torch.manual_seed(0)
+    return QDSTransformer(tiny()).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Input layout
+# ---------------------------------------------------------------------------------------------
+
+def test_split_sentences():
+    assert split_sentences("One. Two! Three?\nFour\n\nfive 3.5 six.") == \
+        ["One.", "Two!", "Three?", "Four", "five 3.5 six."]
+    assert split_sentences("   ") == []
+
+
+def test_encode_pairs_builds_cls_query_sep_sos_layout(model: QDSTransformer):
+    tok = model.tokenizer
+    batch = encode_pairs(tok, QUERIES, DOCS, model.config)
+    ids, n = batch["input_ids"], batch["input_ids"].shape[1]
+    assert n % 8 == 0
+    sos = tok.convert_tokens_to_ids("[unused1]")
+    for i, (query, doc) in enumerate(zip(QUERIES, DOCS)):
+        q_ids = tok(query, add_special_tokens=False)["input_ids"]
+        length = int(batch["attention_mask"][i].sum())
+        row = ids[i, :length].tolist()
+        assert row[: len(q_ids) + 2] == [tok.cls_token_id, *q_ids, tok.sep_token_id]
+        assert row[-1] == tok.sep_token_id and (ids[i, length:] == tok.pad_token_id).all()
+        # one [SOS] per sentence, each followed by that sentence's word pieces
+        sos_pos = torch.nonzero(batch["sentence_mask"][i]).flatten().tolist()
+        assert sos_pos == [p for p, t in enumerate(row) if t == sos]
+        assert len(sos_pos) == len(split_sentences(doc))
+        first = tok(split_sentences(doc)[0], add_special_tokens=False)["input_ids"]
+        assert row[sos_pos[0] + 1: sos_pos[0] + 1 + len(first)] == first
+        # global = [CLS] + query; segment 0 up to the first [SEP], 1 for the document
+        assert batch["global_mask"][i].nonzero().flatten().tolist() == list(range(len(q_ids) + 1))
+        assert batch["token_type_ids"][i, : len(q_ids) + 2].eq(0).all()
+        assert batch["token_type_ids"][i, len(q_ids) + 2: length].eq(1).all()
+        assert batch["token_type_ids"][i, length:].eq(0).all()
+
+
+def test_encode_pairs_truncates_to_max_length(model: QDSTransformer):
+    cfg = tiny(max_length=64, max_query_length=5)
+    batch = encode_pairs(model.tokenizer, ["a very long query " * 10], [long_doc(500)], cfg)
+    assert batch["input_ids"].shape == (1, 64)
+    assert batch["attention_mask"].all()
+    assert int(batch["global_mask"].sum()) == 6                     # [CLS] + 5 query pieces
+    assert batch["input_ids"][0, -1] == model.tokenizer.sep_token_id
+    with pytest.raises(ConfigError):
+        encode_pairs(model.tokenizer, ["q"], ["d"], tiny(sos_token="[NOT-A-TOKEN]"))
+    with pytest.raises(ConfigError):
+        tiny(pattern="bigbird")
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer forward is BERT's
+# ---------------------------------------------------------------------------------------------
+
+def test_full_window_equals_original_bert(model: QDSTransformer):
+    """With a window covering the whole sequence A_QDS is full attention, so the sparse layer
+    forward over the BertLayer submodules must reproduce BertModel itself."""
+    full = QDSTransformer(tiny(window=1000))
+    full.load_state_dict(model.state_dict())
+    full.eval()
+    batch = full.build_batch(QUERIES, DOCS)                 # two lengths: the shorter one is padded
+    ours = full.encode(batch)
+    with torch.no_grad():
+        ref = full.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                        token_type_ids=batch["token_type_ids"]).last_hidden_state
+    valid = batch["attention_mask"]
+    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    scores = full.score(ref[:, 0]).squeeze(-1)
+    torch.testing.assert_close(full(batch), scores, atol=1e-5, rtol=1e-5)
+
+
+def test_patterns_are_wired(model: QDSTransformer):
+    """The three attention patterns give different scores on a document longer than the window."""
+    queries, docs = [QUERIES[0]], [long_doc(90)]
+    scores = {}
+    for pattern in ("qds", "longformer-qa", "local"):
+        m = QDSTransformer(tiny(pattern=pattern))
+        m.load_state_dict(model.state_dict())
+        scores[pattern] = float(m.eval().score_texts(queries, docs)[0])
+    assert len({round(s, 6) for s in scores.values()}) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding, long inputs, checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def test_padding_does_not_change_scores(model: QDSTransformer):
+    alone = torch.stack([model(model.build_batch([q], [d]))[0] for q, d in zip(QUERIES, DOCS)])
+    padded_batch = model.build_batch(QUERIES + ["x"], DOCS + [long_doc(60)])
+    assert padded_batch["input_ids"].shape[1] > max(int(m.sum()) for m in padded_batch["attention_mask"][:2])
+    with torch.no_grad():
+        together = model(padded_batch)[:2]
+    torch.testing.assert_close(together, alone.detach(), atol=1e-5, rtol=1e-5)
+    # score_texts batches by length; the order of its answers is the order of its inputs
+    torch.testing.assert_close(model.score_texts(QUERIES[::-1], DOCS[::-1]), alone.detach().flip(0),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_2048_token_document_runs_forward_and_backward():
+    torch.manual_seed(0)
+    m = QDSTransformer(tiny(max_length=2048, window=64))
+    # positions beyond the pretrained 128 are copies (row i ← row i mod 128)
+    table = m.bert.embeddings.position_embeddings.weight
+    assert table.shape[0] == 2048
+    torch.testing.assert_close(table[128:256], table[:128])
+    torch.testing.assert_close(table[2047], table[2047 % 128])
+    batch = m.build_batch([QUERIES[0]], [long_doc(3000)])
+    assert batch["input_ids"].shape == (1, 2048)
+    assert int(batch["sentence_mask"].sum()) > 100
+    m.train()
+    score = m(batch)
+    score.sum().backward()
+    assert torch.isfinite(score).all()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    assert m.bert.embeddings.position_embeddings.weight.grad[2000:].abs().sum() > 0
+
+
+def test_checkpoint_round_trip_gives_identical_scores(model: QDSTransformer, tmp_path):
+    path = save_model(model, tmp_path / "qds")
+    loaded = load_model(path)
+    assert isinstance(loaded, QDSTransformer)
+    assert loaded.config == model.config
+    assert torch.equal(loaded.score_texts(QUERIES, DOCS), model.score_texts(QUERIES, DOCS))
+
+
+def test_checkpoint_of_extended_positions_round_trips(tmp_path):
+    torch.manual_seed(1)
+    m = QDSTransformer(tiny(max_length=300)).eval()
+    loaded = load_model(save_model(m, tmp_path / "qds300"))
+    assert loaded.bert.embeddings.position_embeddings.weight.shape[0] == 300
+    docs = [long_doc(250)]
+    assert torch.equal(loaded.score_texts(QUERIES[:1], docs), m.score_texts(QUERIES[:1], docs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training plug
+# ---------------------------------------------------------------------------------------------
+
+def test_pairwise_losses():
+    pos, neg = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    ce = -torch.log_softmax(torch.stack([pos, neg], 1), dim=1)[:, 0].mean()
+    torch.testing.assert_close(pairwise_loss(pos, neg, "softmax"), ce)
+    torch.testing.assert_close(pairwise_loss(pos, neg, "hinge", margin=1.0), torch.tensor(0.5))
+    with pytest.raises(ConfigError):
+        pairwise_loss(pos, neg, "listwise")
+
+
+def test_task_collate_and_loss_train_the_model():
+    """A few optimiser steps on one batch of triples lower its pairwise loss."""
+    torch.manual_seed(0)
+    task = QDSTask(model_config=tiny())
+    m = task.build_model()
+    rows = {"query": np.array(QUERIES, dtype=object), "pos_text": np.array(DOCS, dtype=object),
+            "neg_text": np.array([long_doc(40), "unrelated text about trains. and boats."], dtype=object),
+            "pos_bm25": np.array([12.0, 9.0]), "neg_bm25": np.array([10.0, 8.0])}
+    batch = task.collate(rows)
+    assert batch["input_ids"].shape[0] == 4
+    assert torch.equal(batch["input_ids"], collate_triples(rows, m.tokenizer, m.config)["input_ids"])
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    m.eval()                                              # no dropout: a deterministic loss curve
+    with torch.no_grad():
+        first = task.loss(m, batch).item()
+    for _ in range(6):
+        opt.zero_grad()
+        loss = task.loss(m, batch)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert triple_loss(m, batch).item() < first
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(model: QDSTransformer):
+    batch = model.build_batch(QUERIES, DOCS)
+    grads = []
+    for ckpt in (False, True):
+        m = QDSTransformer(tiny(gradient_checkpointing=ckpt))
+        m.load_state_dict(model.state_dict())
+        m.train()
+        torch.manual_seed(0)
+        m(batch).sum().backward()
+        grads.append(m.bert.encoder.layer[0].attention.self.query.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_autocast_runs_and_stays_close(model: QDSTransformer):
+    """The mixed-precision path GPUs use (here CPU autocast): same scores up to bf16 rounding."""
+    batch = model.build_batch(QUERIES, DOCS)
+    with torch.no_grad():
+        exact = model(batch)
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            mixed = model(batch)
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed.float(), exact, atol=5e-2, rtol=5e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real pretrained encoder
+# ---------------------------------------------------------------------------------------------
+
+def test_pretrained_minilm_with_full_window_matches_the_encoder(minilm_path):
+    from transformers import AutoModel
+
+    m = QDSTransformer(QDSConfig(max_length=1024, window=4096)).eval()
+    assert m.config.pretrained is False and m.config.bert_config["max_position_embeddings"] == 1024
+    table = m.bert.embeddings.position_embeddings.weight
+    torch.testing.assert_close(table[512:1024], table[:512])
+    ref_model = AutoModel.from_pretrained(minilm_path).eval()
+    batch = m.build_batch(QUERIES, DOCS)
+    with torch.no_grad():
+        ref = ref_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                        token_type_ids=batch["token_type_ids"]).last_hidden_state
+        ours = m.encode(batch)
+    valid = batch["attention_mask"]
+    torch.testing.assert_close(ours[valid], ref[valid], atol=1e-4, rtol=1e-4)
