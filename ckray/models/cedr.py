@@ -419,16 +419,11 @@ def build_cedr(variant: str = "knrm", **kwargs: Any) -> CEDRRanker:
     return CEDRRanker(CEDRConfig(variant=variant, **kwargs))
 
 
-def _ranker_task_base() -> type:
-    try:
-        from ckray.train import RankerTask
-    except ImportError:  # pragma: no cover - the shared loop is part of the package
-        return object
-    return RankerTask
+from ckray.train import RankerTask  # noqa: E402  (the shared loop; models above need none of it)
 
 
 @dataclass
-class CEDRTask(_ranker_task_base()):
+class CEDRTask(RankerTask):
     """CEDR for :func:`ckray.train.fit`: pairwise loss on (query, relevant, BM25 negative) triples;
     dev validation reranks BM25 candidates with the model alone."""
 

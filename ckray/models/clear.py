@@ -346,16 +346,11 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
 
 
-def _ranker_task_base():
-    try:
-        from ckray.train import RankerTask
-    except ImportError:  # pragma: no cover - the shared loop is part of the package
-        return object
-    return RankerTask
+from ckray.train import RankerTask  # noqa: E402  (the shared loop; models above need none of it)
 
 
 @dataclass
-class CLEARTask(_ranker_task_base()):
+class CLEARTask(RankerTask):
     """CLEAR for :func:`ckray.train.fit`: residual-margin hinge on (query, d+, BM25 d−) triples.
 
     Dev validation reranks BM25 candidates with the hybrid score of Eq. 8,

@@ -339,16 +339,11 @@ def triple_loss(model: QDSTransformer, batch: Mapping[str, torch.Tensor], kind: 
     return pairwise_loss(pos, neg, kind, margin)
 
 
-def _ranker_task_base():
-    try:
-        from ckray.train import RankerTask
-    except ImportError:  # pragma: no cover - the shared loop is part of the package
-        return object
-    return RankerTask
+from ckray.train import RankerTask  # noqa: E402  (the shared loop; models above need none of it)
 
 
 @dataclass
-class QDSTask(_ranker_task_base()):
+class QDSTask(RankerTask):
     """QDS-Transformer for :func:`ckray.train.fit`: pairwise loss on (query, d+, BM25 d−) triples."""
 
     model_config: QDSConfig = field(default_factory=QDSConfig)
