@@ -70,9 +70,11 @@ def training_data(args: argparse.Namespace) -> TrainingData:
     return td
 
 
-def run_training(task: RankerTask, args: argparse.Namespace, name: str, **train_defaults) -> TrainResult:
-    """Train ``task`` and write ``W/checkpoints/<name>`` (+ ``train_summary.json``)."""
-    td = training_data(args)
+def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: TrainingData | None = None,
+                 **train_defaults) -> TrainResult:
+    """Train ``task`` and write ``W/checkpoints/<name>`` (+ ``train_summary.json``). ``td``: training data a
+    job already built (e.g. to derive corpus statistics first); built from ``args`` otherwise."""
+    td = td or training_data(args)
     out = Path(args.workdir) / "checkpoints" / name
     config = config_from_args(args, output_dir=str(out), storage_dir=str(Path(args.workdir).resolve() / "train"),
                               run_name=name, **train_defaults)

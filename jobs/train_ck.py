@@ -22,17 +22,17 @@ def main(args) -> None:
     from ckray.data.collections import doc_text
     from ckray.models.ck import CKConfig, corpus_statistics, tk_config
     from ckray.tasks import CKTask
-    from ckray.train_job import ensure_prepared, run_training
+    from ckray.train_job import run_training, training_data
 
     base = tk_config() if args.attention == "quadratic" else CKConfig(qti=args.qti)
     config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers)
     name = args.name or ("tk" if args.attention == "quadratic" else "ck-qti" if args.qti else "ck")
-    ensure_prepared(args.data, args.workdir, args.data_split)
+    td = training_data(args)  # prepares shards, BM25 and negatives when missing
     corpus = load_corpus_table(args.workdir)
     stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())), config)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
                   mean_doc_len=stats.mean_doc_len, name=name)
-    run_training(task, args, name, lr=args.default_lr, max_steps=1000, eval_every=200, batch_size=16)
+    run_training(task, args, name, td=td, lr=args.default_lr, max_steps=1000, eval_every=200, batch_size=16)
 
 
 def parser():
