@@ -34,8 +34,31 @@ def metrics_path(workdir, pipeline: str, split: str) -> Path:
     return Path(workdir) / "metrics" / f"{pipeline}-{split}.json"
 
 
+def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
+                       train_split: str = "train"):
+    """Tune w of a ``first+reranker`` pipeline on the dev split of the *training* queries (the ones the
+    reranker validated on, never test queries) and save it to ``W/fusion`` (``ckray.fusion``)."""
+    from ckray.fusion import checkpoint_stamp, dev_queries, save_interpolation, tune_weight
+    from ckray.pipelines import build_pipeline, checkpoint_dir, parse_pipeline
+
+    first, reranker = parse_pipeline(pipeline)
+    dev_q, dev_qrels = dev_queries(queries, qrels, split=train_split)
+    if not dev_q:
+        raise ConfigError(f"{pipeline}: no dev queries in the {train_split!r} split to tune the interpolation on")
+    log.info("%s: tuning the interpolation weight on %d dev (training) queries at depth %d",
+             pipeline, len(dev_q), rerank_depth)
+    pipe = build_pipeline(f"{first}>{reranker}", workdir, rerank_depth=rerank_depth)
+    first_run = pipe.retriever.search(dev_q, k=rerank_depth)
+    reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
+    config = tune_weight(first_run, reranked, dev_qrels, rerank_depth)
+    config.checkpoint_stamp = checkpoint_stamp(checkpoint_dir(workdir, reranker))
+    save_interpolation(workdir, first, reranker, config)
+    return config
+
+
 def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
-    from ckray.pipelines import build_pipeline
+    from ckray.fusion import checkpoint_stamp, fusion_path, load_interpolation
+    from ckray.pipelines import build_pipeline, checkpoint_dir, is_interpolated, parse_pipeline
 
     queries, qrels = read_queries_and_qrels(Path(config.data))
     if config.split not in qrels:
@@ -44,6 +67,13 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
     results = {}
     for name in config.pipelines:
         t0 = time.time()
+        if is_interpolated(name):
+            first, reranker = parse_pipeline(name)
+            tuned = (load_interpolation(config.workdir, first, reranker)
+                     if fusion_path(config.workdir, first, reranker).exists() else None)
+            if (tuned is None or tuned.depth != config.rerank_depth
+                    or tuned.checkpoint_stamp != checkpoint_stamp(checkpoint_dir(config.workdir, reranker))):
+                tune_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth)
         run = pipe.run(split_q, k=config.k)
         wall = time.time() - t0

@@ -3,7 +3,8 @@ online results agree by construction.
 
 A pipeline name is ``<first stage>[><reranker>]``: ``bm25``, ``clear``, ``ck-qti``,
 ``bm25>cedr-knrm``, ``clear>cedr-knrm``, ``bm25>qds`` … ``ck-qti-rerank`` is an alias of
-``bm25>ck-qti``. A first stage is a retriever with ``search(queries, k) -> run``; a reranker is a
+``bm25>ck-qti``. ``<first stage>+<reranker>`` reranks the same way and then adds the first stage's
+score back, ``z(s_rerank) + w·z(s_first)`` with ``w`` tuned on dev queries (``ckray.fusion``). A first stage is a retriever with ``search(queries, k) -> run``; a reranker is a
 trained checkpoint ``W/checkpoints/<name>`` whose model has ``score_texts(queries, docs)``.
 """
 
@@ -55,9 +56,13 @@ def _factory(spec: str):
 
 
 def parse_pipeline(name: str) -> tuple[str, str | None]:
+    """``(first stage, reranker or None)`` of ``first``, ``first>reranker`` or ``first+reranker``."""
     name = ALIASES.get(name.strip(), name.strip())
-    first, _, reranker = name.partition(">")
+    sep = "+" if "+" in name else ">"
+    first, _, reranker = name.partition(sep)
     first, reranker = first.strip(), (reranker.strip() or None)
+    if sep == "+" and reranker is None:
+        raise ConfigError(f"pipeline {name!r}: '+' needs a reranker after it (e.g. bm25+cedr-knrm)")
     if first not in RETRIEVERS:
         raise ConfigError(f"unknown first stage {first!r} in pipeline {name!r}; known: {', '.join(sorted(RETRIEVERS))}")
     if reranker is not None and reranker not in RERANKERS:
@@ -69,6 +74,11 @@ def build_retriever(name: str, workdir: str | os.PathLike, **options) -> Retriev
     if name not in RETRIEVERS:
         raise ConfigError(f"unknown retriever {name!r}; known: {', '.join(sorted(RETRIEVERS))}")
     return _factory(RETRIEVERS[name])(workdir, **options)
+
+
+def is_interpolated(name: str) -> bool:
+    """``first+reranker``: the reranker's score interpolated with the first stage's (``ckray.fusion``)."""
+    return "+" in ALIASES.get(name.strip(), name.strip())
 
 
 def checkpoint_dir(workdir: str | os.PathLike, reranker: str) -> Path:
@@ -89,12 +99,14 @@ def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker
 
 @dataclass
 class Pipeline:
-    """First stage, then (optionally) a reranker over its top ``rerank_depth``."""
+    """First stage, then (optionally) a reranker over its top ``rerank_depth``; with
+    ``interpolation_weight`` w the final score is ``z(s_rerank) + w·z(s_first)`` (``ckray.fusion``)."""
 
     name: str
     retriever: Retriever
     reranker: Reranker | None = None
     rerank_depth: int = 100
+    interpolation_weight: float | None = None
     timings: dict = field(default_factory=dict)
 
     def run(self, queries: dict[str, str], k: int = 1000) -> Run:
@@ -102,15 +114,28 @@ class Pipeline:
         run = self.retriever.search(queries, k=max(k, self.rerank_depth if self.reranker else 0))
         t1 = time.perf_counter()
         if self.reranker is not None:
-            run = self.reranker.rerank(queries, run, depth=self.rerank_depth)
+            first = run
+            run = self.reranker.rerank(queries, first, depth=self.rerank_depth)
+            if self.interpolation_weight is not None:
+                from ckray.fusion import interpolate
+
+                run = interpolate(first, run, self.rerank_depth, self.interpolation_weight)
         t2 = time.perf_counter()
         self.timings = {"first_stage_s": t1 - t0, "rerank_s": t2 - t1}
         return {q: docs[:k] for q, docs in run.items()}
 
 
 def build_pipeline(name: str, workdir: str | os.PathLike, rerank_depth: int = 100,
-                   retriever_options: dict | None = None, reranker_options: dict | None = None) -> Pipeline:
+                   retriever_options: dict | None = None, reranker_options: dict | None = None,
+                   interpolation_weight: float | None = None) -> Pipeline:
+    """A pipeline by name. ``first+reranker`` reads its tuned weight from ``W/fusion`` unless
+    ``interpolation_weight`` is given (``ckray.evaluate.tune_interpolation`` writes it)."""
     first, reranker = parse_pipeline(name)
+    if is_interpolated(name) and interpolation_weight is None:
+        from ckray.fusion import load_interpolation
+
+        interpolation_weight = load_interpolation(workdir, first, reranker).weight
     return Pipeline(name=name, retriever=build_retriever(first, workdir, **(retriever_options or {})),
                     reranker=build_reranker(reranker, workdir, **(reranker_options or {})) if reranker else None,
-                    rerank_depth=rerank_depth)
+                    rerank_depth=rerank_depth,
+                    interpolation_weight=interpolation_weight if is_interpolated(name) else None)

@@ -47,7 +47,8 @@ from ray.serve.handle import DeploymentHandle
 
 from ckray import __version__
 from ckray.errors import ConfigError
-from ckray.pipelines import RERANKERS, RETRIEVERS, Run, build_retriever, checkpoint_dir, parse_pipeline
+from ckray.pipelines import (RERANKERS, RETRIEVERS, Run, build_retriever, checkpoint_dir, is_interpolated,
+                             parse_pipeline)
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +365,8 @@ class SearchRequest(BaseModel):
     reranker: str | None = Field(None, description="a reranker name (GET /healthz lists them); none: no reranking")
     rerank_depth: int | None = Field(None, ge=1, le=MAX_RERANK_DEPTH,
                                      description="first-stage documents the reranker rescores (default 100)")
+    interpolate: bool = Field(False, description="add the first stage's score back: z(rerank) + w·z(first), "
+                                                 "w tuned offline on dev queries (W/fusion; one retriever only)")
 
     @field_validator("query")
     @classmethod
@@ -393,6 +396,7 @@ class SearchResponse(BaseModel):
     reranker: str | None
     k: int
     rerank_depth: int | None
+    interpolation_weight: float | None = None
     results: list[Hit]
     timings_ms: dict[str, float] = Field(description="wall time per stage as seen by the ingress, "
                                                      "plus the retrievers' and reranker's own compute")
@@ -486,12 +490,15 @@ class SearchAPI:
         self.docs = DocStore(workdir)
         self.retrievers, self.rerankers, self.unavailable = retrievers, rerankers, unavailable
         self.default_first, self.default_reranker = parse_pipeline(default_pipeline)
+        self.default_interpolate = is_interpolated(default_pipeline)
+        self.workdir = workdir
         self.default_pipeline, self.default_k = default_pipeline, default_k
         self.rerank_depth, self.rrf_k = rerank_depth, rrf_k
 
     @api.post("/search", response_model=SearchResponse, summary="search with any retrievers and reranker")
     async def search(self, body: SearchRequest) -> SearchResponse:
-        return await self._search(body.query, body.k, body.retrievers, body.reranker, body.rerank_depth)
+        return await self._search(body.query, body.k, body.retrievers, body.reranker, body.rerank_depth,
+                                  body.interpolate)
 
     @api.get("/search", response_model=SearchResponse, summary="search with the default pipeline")
     async def search_default(self, q: str = Query(..., max_length=MAX_QUERY_CHARS, description="query"),
@@ -499,7 +506,8 @@ class SearchAPI:
                              ) -> SearchResponse:
         if not q.strip():
             raise HTTPException(422, "q: query is empty or whitespace")
-        return await self._search(q, k or self.default_k, [self.default_first], self.default_reranker, None)
+        return await self._search(q, k or self.default_k, [self.default_first], self.default_reranker, None,
+                                  self.default_interpolate)
 
     @api.get("/documents/{doc_id:path}", response_model=Document, summary="one document's title and text")
     async def document(self, doc_id: str) -> Document:
@@ -527,13 +535,26 @@ class SearchAPI:
                                      f"{', '.join(sorted(deployed)) or 'none'}")
         raise HTTPException(400, f"unknown {kind} {name!r}; available: {', '.join(sorted(deployed)) or 'none'}")
 
+    def _interpolation_weight(self, retrievers: list[str], reranker: str | None) -> float:
+        """The w of ``<first>+<reranker>`` tuned offline (``ckray.fusion``); 400 when it cannot apply."""
+        from ckray.errors import MissingArtifactError
+        from ckray.fusion import load_interpolation
+
+        if reranker is None or len(retrievers) != 1:
+            raise HTTPException(400, "interpolate needs exactly one retriever and a reranker")
+        try:
+            return load_interpolation(self.workdir, retrievers[0], reranker).weight
+        except MissingArtifactError as e:
+            raise HTTPException(400, f"interpolate: {e}") from None
+
     async def _search(self, query: str, k: int, retrievers: list[str], reranker: str | None,
-                      rerank_depth: int | None) -> SearchResponse:
+                      rerank_depth: int | None, interpolate: bool = False) -> SearchResponse:
         t_start = time.perf_counter()
         for name in retrievers:
             self._check("retriever", name, self.retrievers)
         if reranker is not None:
             self._check("reranker", reranker, self.rerankers)
+        weight = self._interpolation_weight(retrievers, reranker) if interpolate else None
         depth = (rerank_depth or self.rerank_depth) if reranker else None
         n = max(k, depth or 0)  # as Pipeline.run: the first stage feeds the reranker's depth
         timings: dict[str, float] = {}
@@ -562,11 +583,16 @@ class SearchAPI:
             timings["rerank.forward"] = out["ms"]
             timings["rerank.replica"], timings["rerank.queue"] = out["replica_ms"], out["queue_ms"]
             batch["rerank.pairs"], batch["rerank.requests"] = out["batch_pairs"], out["batch_requests"]
-            hits = out["hits"]
+            if weight is not None:
+                from ckray.fusion import interpolate as add_first_stage
+
+                hits = add_first_stage({"q": hits}, {"q": out["hits"]}, depth, weight)["q"]
+            else:
+                hits = out["hits"]
         results = [Hit(rank=i + 1, doc_id=d, score=s, title=self.docs.get(d)[0]) for i, (d, s) in enumerate(hits[:k])]
         timings["total"] = 1000 * (time.perf_counter() - t_start)
         return SearchResponse(query=query, retrievers=retrievers, reranker=reranker, k=k, rerank_depth=depth,
-                              results=results, timings_ms=timings, batch=batch)
+                              interpolation_weight=weight, results=results, timings_ms=timings, batch=batch)
 
     async def _call(self, what: str, method: Any, *args: Any) -> Any:
         """``await method.remote(*args)``, tried again when the replica died or is restarting
@@ -623,6 +649,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
             reason = unavailable[kind + "s"].get(name, "not in the deployed list")
             raise ConfigError(f"default_pipeline {args.default_pipeline!r}: {kind} {name!r} cannot be served "
                               f"from {workdir}: {reason}")
+    if is_interpolated(args.default_pipeline):
+        from ckray.fusion import load_interpolation
+
+        load_interpolation(workdir, first, reranker)  # a clear error now, not at the first request
     for kind, reasons in unavailable.items():
         for name, reason in reasons.items():
             log.info("not deploying %s %s: %s", kind[:-1], name, reason)

@@ -2,6 +2,10 @@
 
     python jobs/evaluate.py --data DIR --workdir W --pipeline bm25 [--pipeline bm25>cedr-knrm] --split test
 
+``first>reranker`` reranks the first stage's top --rerank-depth; ``first+reranker`` also adds the first
+stage's score back, ``z(s_rerank) + w·z(s_first)``, with w tuned once on the dev split of the *training*
+queries and saved in W/fusion (ckray/fusion.py).
+
 Writes W/runs/<pipeline>-<split>.trec, W/metrics/<pipeline>-<split>.json (flat: measure → value)
 and W/metrics/<pipeline>-<split>.per-query.json, and prints a table.
 """
@@ -25,7 +29,7 @@ def main(args) -> None:
 
 def parser():
     p = base_parser(__doc__)
-    p.add_argument("--pipeline", action="append", help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm")
+    p.add_argument("--pipeline", action="append", help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm, clear+cedr-knrm")
     p.add_argument("--split", default="test")
     p.add_argument("--k", type=int, default=1000, help="results kept per query")
     p.add_argument("--rerank-depth", type=int, default=100, help="first-stage results a reranker rescores")

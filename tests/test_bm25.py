@@ -64,6 +64,16 @@ def test_negatives_and_training_data(sample_workdir):
         assert c.qrels["train"][q].get(p, 0) > 0 and c.qrels["train"][q].get(n, 0) <= 0
     assert all(len(v) <= 50 for v in td.dev.candidates.values())
     assert set(td.dev.doc_text) >= {d for v in td.dev.candidates.values() for d, _ in v}
+    # capping the dev set bounds validation time; the capped-off held-out queries are not trained on either,
+    # so the interpolation weights (ckray.fusion) can be tuned on every held-out query
+    from ckray.fusion import dev_queries
+
+    capped = build_training_data(w, c.queries, c.qrels["train"],
+                                 TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, max_dev_queries=1))
+    held_out, _ = dev_queries(c.queries, c.qrels, dev_fraction=0.25)
+    assert len(capped.dev) == 1 and len(held_out) > 1
+    assert not set(capped.triples.to_pydict()["query_id"]) & set(held_out)
+    assert set(capped.train_queries) == set(td.train_queries)
 
 
 @pytest.mark.slow

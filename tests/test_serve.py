@@ -238,6 +238,30 @@ def test_reranked_equals_offline_reranking(server, offline, queries):
 
 
 @pytest.mark.slow
+def test_interpolated_reranking_equals_the_offline_plus_pipeline(server, workdir, queries):
+    """``interpolate: true`` serves ``bm25+cedr-knrm`` with the weight saved in W/fusion, as offline."""
+    from ckray.fusion import InterpolationConfig, save_interpolation
+    from ckray.pipelines import build_pipeline
+
+    _, w = workdir
+    body = {"query": next(iter(queries.values())), "k": 10, "reranker": RERANKER, "rerank_depth": 20,
+            "interpolate": True}
+    missing = server.post("/search", json=body)
+    assert missing.status_code == 400 and "no tuned interpolation weight" in missing.json()["detail"]
+    save_interpolation(w, "bm25", RERANKER, InterpolationConfig(weight=0.8, depth=20))
+    want = build_pipeline(f"bm25+{RERANKER}", w, rerank_depth=20).run(queries, k=10)
+    plain = build_pipeline(f"bm25>{RERANKER}", w, rerank_depth=20).run(queries, k=10)
+    assert any([d for d, _ in want[q]] != [d for d, _ in plain[q]] for q in queries)  # w changes rankings
+    for qid, text in queries.items():
+        got = server.post("/search", json={**body, "query": text})
+        assert got.status_code == 200, got.text
+        assert got.json()["interpolation_weight"] == 0.8
+        assert_same_ranking(got.json()["results"], want[qid], tol=1e-4)
+    two = server.post("/search", json={**body, "retrievers": ["bm25", CLASSIC]})
+    assert two.status_code == 400 and "exactly one retriever" in two.json()["detail"]
+
+
+@pytest.mark.slow
 def test_rrf_fusion_equals_offline(server, offline, queries):
     plain, reranked = offline["rrf"].run(queries, k=10), offline["rrf>rerank15"].run(queries, k=10)
     for qid, text in queries.items():

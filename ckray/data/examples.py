@@ -126,9 +126,9 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     store = DocStore(workdir)
     rng = random.Random(config.seed)
     qids = sorted(q for q in qrels if q in queries and any(r > 0 for r in qrels[q].values()))
-    dev_q = [q for q in qids if is_dev_query(q, config.dev_fraction, config.seed)][: config.max_dev_queries]
-    dev_set = set(dev_q)
-    train_q = [q for q in qids if q not in dev_set]
+    held_out = [q for q in qids if is_dev_query(q, config.dev_fraction, config.seed)]
+    dev_q = held_out[: config.max_dev_queries]  # the cap bounds validation time; the rest is not trained on
+    train_q = [q for q in qids if not is_dev_query(q, config.dev_fraction, config.seed)]
     rows: dict[str, list] = {c: [] for c in TRIPLE_COLUMNS}
     for q in train_q:
         positives = [d for d, r in qrels[q].items() if r > 0 and d in store]

@@ -1,0 +1,72 @@
+"""Reranker + first-stage interpolation (ckray.fusion) and the ``first+reranker`` pipeline names."""
+
+import pytest
+
+from ckray.errors import ConfigError, MissingArtifactError
+from ckray.fusion import (InterpolationConfig, interpolate, load_interpolation, save_interpolation,
+                          tune_weight)
+from ckray.pipelines import is_interpolated, parse_pipeline
+
+FIRST = {"q": [("a", 30.0), ("b", 20.0), ("c", 10.0), ("tail1", 5.0), ("tail2", 4.0)]}
+# the reranker prefers c, then b, then a
+RERANKED = {"q": [("c", 0.9), ("b", 0.5), ("a", 0.1), ("tail1", -10.0), ("tail2", -11.0)]}
+
+
+def order(run):
+    return [d for d, _ in run["q"]]
+
+
+def test_zero_weight_is_the_reranker_and_a_large_weight_the_first_stage():
+    assert order(interpolate(FIRST, RERANKED, depth=3, weight=0.0)) == ["c", "b", "a", "tail1", "tail2"]
+    assert order(interpolate(FIRST, RERANKED, depth=3, weight=50.0)) == ["a", "b", "c", "tail1", "tail2"]
+
+
+def test_formula_is_z_rerank_plus_w_z_first():
+    run = interpolate(FIRST, RERANKED, depth=3, weight=0.5)
+    scores = dict(run["q"])
+    # z over the top 3: first (30, 20, 10) → (1.2247, 0, -1.2247); rerank (0.1, 0.5, 0.9) for a, b, c
+    z = 1.224744871391589
+    assert scores["a"] == pytest.approx(-z + 0.5 * z)
+    assert scores["b"] == pytest.approx(0.0)
+    assert scores["c"] == pytest.approx(z - 0.5 * z)
+    assert scores["tail1"] < min(scores["a"], scores["b"], scores["c"]) and scores["tail2"] < scores["tail1"]
+
+
+def test_score_scale_of_either_stage_does_not_matter():
+    scaled = {"q": [(d, 1000.0 * s + 7.0) for d, s in RERANKED["q"]]}
+    got, want = interpolate(FIRST, scaled, 3, 0.7)["q"], interpolate(FIRST, RERANKED, 3, 0.7)["q"]
+    assert [d for d, _ in got] == [d for d, _ in want]
+    assert [s for _, s in got] == pytest.approx([s for _, s in want])
+
+
+def test_missing_reranked_document_is_named():
+    with pytest.raises(KeyError, match="'c'"):
+        interpolate(FIRST, {"q": [("a", 1.0), ("b", 0.0)]}, depth=3, weight=1.0)
+
+
+def test_tuning_picks_a_weight_that_ranks_the_relevant_document_first():
+    # relevant: b. Reranker alone puts c first, first stage alone puts a first; the sum puts b first.
+    first = {"q": [("a", 3.0), ("b", 2.9), ("c", 0.0)]}
+    reranked = {"q": [("a", 0.0), ("b", 0.9), ("c", 1.0)]}
+    tuned = tune_weight(first, reranked, {"q": {"b": 1}}, depth=3, grid=[0.0, 1.0, 100.0])
+    assert tuned.weight == 1.0
+    assert tuned.table["1.0"] == pytest.approx(1.0) and tuned.table["0.0"] < 1.0 and tuned.table["100.0"] < 1.0
+    with pytest.raises(ConfigError, match="relevant judgment"):
+        tune_weight(first, reranked, {"other": {"b": 1}}, depth=3)
+
+
+def test_weights_are_saved_per_pipeline_and_a_missing_one_names_the_file(tmp_path):
+    with pytest.raises(MissingArtifactError, match=r"fusion/bm25\+cedr-knrm\.json"):
+        load_interpolation(tmp_path, "bm25", "cedr-knrm")
+    save_interpolation(tmp_path, "bm25", "cedr-knrm", InterpolationConfig(weight=0.4, depth=50, dev_queries=7))
+    loaded = load_interpolation(tmp_path, "bm25", "cedr-knrm")
+    assert (loaded.weight, loaded.depth, loaded.dev_queries) == (0.4, 50, 7)
+
+
+def test_pipeline_names_with_plus():
+    assert parse_pipeline("clear+cedr-knrm") == ("clear", "cedr-knrm")
+    assert is_interpolated("bm25+qds") and not is_interpolated("bm25>qds")
+    with pytest.raises(ConfigError, match="needs a reranker"):
+        parse_pipeline("bm25+")
+    with pytest.raises(ConfigError, match="unknown reranker"):
+        parse_pipeline("bm25+nope")
