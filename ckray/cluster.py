@@ -335,6 +335,30 @@ class LocalHead:
     def alive_nodes(self) -> list[dict]:
         return [n for n in self.nodes() if n.get("state") == "ALIVE"]
 
+    def actors(self) -> list[dict]:
+        """Every actor the GCS knows, finished ones included (state API): actor_id, class_name,
+        state (ALIVE/DEAD/...), node_id, pid, ... E.g. where a job's Ray Train workers ran."""
+        out = self.api("/api/v0/actors?limit=10000&detail=1")
+        return out["data"]["result"]["result"]
+
+    def submit_job(self, entrypoint: list[str], submission_id: str, *, working_dir: str | None = None,
+                   timeout_s: float = 120.0, attempts: int = 6) -> str:
+        """`ray job submit --no-wait` of `entrypoint` (argv) to this cluster; returns the submission
+        id. Without `working_dir` the job runs in the head's working directory (`cwd` of
+        local_autoscaling_head). Retried while the head's job agent is still starting."""
+        cmd = self.ray_cmd("job", "submit", f"--address={self.dashboard_url}",
+                           f"--submission-id={submission_id}", "--no-wait",
+                           *([f"--working-dir={working_dir}"] if working_dir else []),
+                           "--", *entrypoint)   # the CLI quotes them (shlex.join)
+        for attempt in range(attempts):
+            r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+            if r.returncode == 0:
+                return submission_id
+            if "No available agent" not in r.stdout + r.stderr or attempt == attempts - 1:
+                raise RuntimeError(f"ray job submit failed ({r.returncode}):\n{r.stdout}{r.stderr}")
+            time.sleep(5)
+        raise AssertionError("unreachable")
+
     def job_status(self, submission_id: str) -> str:
         """PENDING / RUNNING / SUCCEEDED / FAILED / STOPPED of a submitted job."""
         return self.api(f"/api/jobs/{submission_id}")["status"]

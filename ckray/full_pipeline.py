@@ -1,13 +1,57 @@
-"""The main job: every stage on one collection, then a report (Markdown table + PNG chart)."""
+"""The main job: every stage on one collection, then a report (Markdown table + PNG chart).
+
+    prepare   Ray Data shards, BM25 index, BM25 negatives of the training queries
+    train     CK-QTI, CLEAR, CEDR-KNRM, QDS-Transformer (``ckray.stages.MODELS``: the very functions
+              behind jobs/train_*.py), a few steps each on the *training* queries
+    index     CK-QTI impact index; CLEAR dense index + hybrid λ_test tuned on training queries
+              (``ckray.stages.build_impact`` / ``build_dense``: jobs/build_*_index.py)
+    evaluate  every pipeline whose artifacts exist (bm25, ck-qti, clear-dense, clear, and each reranker
+              over its first stage both alone and interpolated: bm25>ck-qti, bm25+ck-qti,
+              bm25>cedr-knrm, bm25+cedr-knrm, bm25>qds, bm25+qds, clear>cedr-knrm, clear+cedr-knrm)
+    report    W/report.md (metrics, training, per-stage wall times), W/report.png, W/pipeline_summary.json
+
+Each stage skips finished work: a run already at its step count is not trained again (``fit``
+consolidates its best checkpoint and returns; the checkpoint directory stays byte-identical),
+finished shards and up-to-date indexes are kept, and a pipeline whose inputs (queries, qrels,
+depths, index metadata, reranker checkpoint hash, interpolation weight) did not change keeps its
+metrics. The defaults are sized for the bundled sample on 2 CPU cores; ``max_steps`` and the
+per-model ``flags`` scale it up.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from ckray.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ckray.evaluate import EvaluateConfig
 
 log = logging.getLogger(__name__)
+
+# Training settings of the main pipeline, per model: a few steps, small batches, short inputs, so
+# the bundled sample trains every model in about a minute each on 2 CPU cores. Flags of the
+# model's job (ckray.stages / jobs/train_*.py); --max-steps comes from `steps` or the override.
+MODEL_DEFAULTS: dict[str, dict] = {
+    "ck-qti": {"steps": 30, "flags": ["--batch-size", "4", "--layers", "1", "--max-doc-len", "256"]},
+    "clear": {"steps": 20, "flags": ["--batch-size", "2", "--doc-max-len", "128", "--lr", "5e-5"]},
+    "cedr-knrm": {"steps": 20, "flags": ["--batch-size", "2", "--max-length", "128", "--max-segments", "1",
+                                         "--lr", "1e-4"]},
+    "qds": {"steps": 20, "flags": ["--batch-size", "2", "--max-length", "128", "--window", "32", "--lr", "1e-4"]},
+}
+# Every model: validate on 5 held-back training queries (BM25 top 10) at the start and the end only.
+TRAIN_FLAGS = ["--eval-every", "0", "--max-dev-queries", "5", "--dev-depth", "10", "--log-every", "5",
+               "--warmup-steps", "2"]
+IMPACT_FLAGS = ["--top-k", "64", "--expansion-candidates", "64"]
+
+MODEL_ORDER = list(MODEL_DEFAULTS)
 
 
 @dataclass
@@ -15,37 +59,282 @@ class FullPipelineConfig:
     workdir: str
     data: str | None = None
     split: str = "test"
-    models: list[str] | None = None
+    models: list[str] | None = None        # None: every model in MODEL_DEFAULTS
     workers: int = 2
     use_gpu: bool = False
-    max_steps: int | None = None
+    max_steps: int | None = None            # overrides every model's step count
     shards: int = 4
+    rerank_depth: int = 10
+    train_split: str = "train"
+    reevaluate: bool = False               # evaluate every pipeline even when its inputs are unchanged
+    flags: dict[str, list[str]] = field(default_factory=dict)   # extra job flags per model (last wins)
     timings: dict = field(default_factory=dict)
+
+    def selected_models(self) -> list[str]:
+        models = MODEL_ORDER if self.models is None else [m.strip() for m in self.models if m.strip()]
+        unknown = [m for m in models if m not in MODEL_DEFAULTS]
+        if unknown:
+            raise ConfigError(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODEL_ORDER)}")
+        return [m for m in MODEL_ORDER if m in models]   # dependency order, no duplicates
+
+
+@contextmanager
+def _stage(timings: dict, name: str) -> Iterator[None]:
+    log.info("stage %s: started", name)
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        timings[name] = time.time() - t0
+        log.info("stage %s: done in %.1f s", name, timings[name])
+
+
+def available_pipelines(workdir: str | Path, interpolated: bool = True) -> list[str]:
+    """Every named pipeline whose artifacts exist in ``workdir``, in report order. Each reranker runs
+    as ``first>reranker`` (its score alone) and, with ``interpolated``, ``first+reranker`` (plus the
+    first stage's score, the weight tuned on held-out training queries: ``ckray.fusion``)."""
+    from ckray.index.dense import HYBRID_FILE, INDEX_FILE, index_dir
+    from ckray.index.impact import META_FILE, impact_index_dir
+    from ckray.pipelines import checkpoint_dir
+
+    w = Path(workdir)
+    have = {m: (checkpoint_dir(w, m) / "model.safetensors").exists() for m in ("ck-qti", "cedr-knrm", "qds")}
+    impact = (impact_index_dir(w) / META_FILE).exists()
+    dense = (index_dir(w) / INDEX_FILE).exists()
+    hybrid = (index_dir(w).parent / HYBRID_FILE).exists()
+    names = ["bm25"]
+    names += ["ck-qti"] if impact else []
+    names += ["clear-dense"] if dense else []
+    names += ["clear"] if dense and hybrid else []
+    reranked = [("bm25", m) for m in ("ck-qti", "cedr-knrm", "qds") if have[m]]
+    reranked += [("clear", "cedr-knrm")] if dense and hybrid and have["cedr-knrm"] else []
+    for first, m in reranked:
+        names += [f"{first}>{m}"] + ([f"{first}+{m}"] if interpolated else [])
+    return names
+
+
+def _first_stage_files(workdir: Path, first: str) -> list[Path]:
+    """The small files that identify a first stage's index (each names the shards/checkpoint it came from)."""
+    from ckray.index.dense import HYBRID_FILE, META_FILE as DENSE_META, index_dir
+    from ckray.index.impact import META_FILE as IMPACT_META, impact_index_dir
+    from ckray.lexical.bm25 import META as BM25_META, bm25_index_dir
+
+    return {"bm25": [bm25_index_dir(workdir) / BM25_META],
+            "ck-qti": [impact_index_dir(workdir) / IMPACT_META],
+            "clear-dense": [index_dir(workdir) / DENSE_META],
+            "clear": [index_dir(workdir) / DENSE_META, index_dir(workdir).parent / HYBRID_FILE,
+                      bm25_index_dir(workdir) / BM25_META]}[first]
+
+
+def evaluation_stamp(workdir: str | Path, pipeline: str, split: str, queries: dict, qrels: dict,
+                     config: "EvaluateConfig") -> dict:
+    """What a pipeline's figures depend on: the evaluated queries and qrels, k, rerank depth, measures,
+    the first stage's index metadata, the reranker checkpoint's content hash and, for
+    ``first+reranker``, the tuned interpolation weight."""
+    from ckray.fusion import fusion_path
+    from ckray.index.impact import checkpoint_digest
+    from ckray.pipelines import checkpoint_dir, is_interpolated, parse_pipeline
+
+    def sha(obj) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+    def content(f: Path):
+        if not f.exists():
+            return None
+        obj = json.loads(f.read_text())
+        if isinstance(obj, dict):
+            obj.pop("tuned", None)  # hybrid.json: the λ grid's scores are a record, not an input
+        return obj
+
+    workdir = Path(workdir)
+    first, reranker = parse_pipeline(pipeline)
+    return {
+        "pipeline": pipeline, "split": split, "k": config.k, "rerank_depth": config.rerank_depth,
+        "measures": list(config.measures), "queries_qrels_sha256": sha([queries, qrels]),
+        "first_stage": {str(f.relative_to(workdir)): content(f) for f in _first_stage_files(workdir, first)},
+        "reranker_sha256": checkpoint_digest(checkpoint_dir(workdir, reranker)) if reranker else None,
+        "interpolation": content(fusion_path(workdir, first, reranker)) if is_interpolated(pipeline) else None,
+    }
+
+
+def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) -> dict[str, dict[str, float]]:
+    """``first>reranker`` and ``first+reranker`` from ONE reranking of the first stage's top depth.
+
+    Each run is made with the steps of ``ckray.pipelines.Pipeline.run`` (first stage, rerank,
+    interpolate with the weight tuned on held-out training queries) and written like
+    ``ckray.evaluate.evaluate_pipelines`` writes it (run file, metrics, per-query metrics), so the
+    figures equal ``jobs/evaluate.py``'s; only the reranker's scores are computed once, not twice."""
+    from ckray.data.collections import read_queries_and_qrels, write_trec_run
+    from ckray.data.shards import write_json_atomic
+    from ckray.eval import evaluate, per_query
+    from ckray.evaluate import metrics_path, run_path, tune_interpolation
+    from ckray.fusion import checkpoint_stamp, fusion_path, interpolate, load_interpolation
+    from ckray.pipelines import build_pipeline, checkpoint_dir
+
+    plain, plus = f"{first}>{reranker}", f"{first}+{reranker}"
+    queries, qrels = read_queries_and_qrels(Path(config.data))
+    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
+    t0 = time.time()
+    tuned = (load_interpolation(config.workdir, first, reranker)
+             if fusion_path(config.workdir, first, reranker).exists() else None)
+    if (tuned is None or tuned.depth != config.rerank_depth
+            or tuned.checkpoint_stamp != checkpoint_stamp(checkpoint_dir(config.workdir, reranker))):
+        tuned = tune_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
+    pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)
+    first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
+    reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
+    runs = {plain: reranked, plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}
+    wall = time.time() - t0
+    results = {}
+    for name, run in runs.items():
+        run = {q: docs[:config.k] for q, docs in run.items()}
+        metrics = evaluate(run, qrels[config.split], config.measures)
+        write_trec_run(run, run_path(config.workdir, name, config.split), tag=name.replace(">", "_"))
+        write_json_atomic(metrics, metrics_path(config.workdir, name, config.split))
+        write_json_atomic(per_query(run, qrels[config.split], config.measures),
+                          metrics_path(config.workdir, name, config.split).with_suffix(".per-query.json"))
+        log.info("%s on %s: %s (%.1fs for %d queries, with %s)", name, config.split, metrics, wall,
+                 len(split_q), plus if name == plain else plain)
+        results[name] = metrics
+    return results
+
+
+def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], split: str, rerank_depth: int,
+                      force: bool = False) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """Evaluate each pipeline unless its metrics were computed from the same inputs (a stamp beside the
+    metrics file); returns the metrics and the names evaluated now. ``first>reranker`` and
+    ``first+reranker`` both due are evaluated together (``evaluate_reranker_pair``), any other
+    pipeline with ``ckray.evaluate.evaluate_pipelines``."""
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.data.shards import read_json, write_json_atomic
+    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path
+    from ckray.pipelines import parse_pipeline
+
+    queries, qrels = read_queries_and_qrels(Path(data))
+    split_qrels = qrels[split]
+    split_q = {q: queries[q] for q in split_qrels if q in queries}
+
+    def config_for(names: list[str]) -> EvaluateConfig:
+        return EvaluateConfig(data=data, workdir=str(workdir), pipelines=names, split=split,
+                              rerank_depth=rerank_depth)
+
+    def stamp_file(name: str) -> Path:
+        return metrics_path(workdir, name, split).with_suffix(".stamp.json")
+
+    results, todo = {}, []
+    for name in pipelines:
+        metrics_file = metrics_path(workdir, name, split)
+        stamp = evaluation_stamp(workdir, name, split, split_q, split_qrels, config_for([name]))
+        if not force and metrics_file.exists() and stamp_file(name).exists() and read_json(stamp_file(name)) == stamp:
+            stored = read_json(metrics_file)
+            results[name] = {m: stored[m] for m in config_for([name]).measures}   # the table's column order
+            log.info("%s on %s: inputs unchanged, metrics reused: %s", name, split, results[name])
+        else:
+            todo.append(name)
+    for name in todo:
+        if name in results:
+            continue   # evaluated with its pair
+        first, reranker = parse_pipeline(name)
+        pair = [f"{first}>{reranker}", f"{first}+{reranker}"] if reranker else []
+        if pair and all(p in todo for p in pair):
+            got = evaluate_reranker_pair(config_for(pair), first, reranker)
+        else:
+            got = evaluate_pipelines(config_for([name]))
+        for n, metrics in got.items():
+            results[n] = metrics
+            # after evaluating: a first+reranker evaluation may have (re)tuned its weight, part of the stamp
+            write_json_atomic(evaluation_stamp(workdir, n, split, split_q, split_qrels, config_for([n])),
+                              stamp_file(n))
+    return {n: results[n] for n in pipelines}, [n for n in pipelines if n in todo]
+
+
+def _train_argv(config: FullPipelineConfig, data: str, model: str) -> list[str]:
+    d = MODEL_DEFAULTS[model]
+    steps = config.max_steps if config.max_steps is not None else d["steps"]
+    argv = ["--data", data, "--workdir", str(config.workdir), "--train-split", config.train_split,
+            "--workers", str(config.workers), "--max-steps", str(steps), *TRAIN_FLAGS, *d["flags"]]
+    if config.use_gpu:
+        argv.append("--use-gpu")
+    return argv + list(config.flags.get(model, []))
 
 
 def run_full_pipeline(config: FullPipelineConfig) -> str:
+    """Run every stage; returns the printed report (metrics table, stage times, report paths)."""
     from ckray.data.collections import load_collection
     from ckray.data.examples import build_negatives
     from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines
     from ckray.lexical.bm25 import build_bm25_index
+    from ckray.ray_env import init_ray
     from ckray.report import write_report
+    from ckray.stages import MODELS, build_dense, build_impact, parse_stage_args
 
+    models = config.selected_models()
     workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    timings = config.timings
+    t_start = time.time()
     data = config.data
     if data is None:
         from ckray.data.sample import generate_sample
 
-        data = str(generate_sample(workdir / "sample-data"))
+        data = str(generate_sample(workdir / "sample-data"))  # deterministic: same bytes every time
         log.info("generated the bundled sample collection in %s", data)
-    t0 = time.time()
-    collection = load_collection(data)
-    prepare_shards(PrepareConfig(data=data, workdir=str(workdir), shards=config.shards))
-    build_bm25_index(workdir)
-    if "train" in collection.qrels:
-        build_negatives(workdir, collection.split_queries("train"), collection.qrels["train"])
-    config.timings["prepare_s"] = time.time() - t0
-    pipelines = ["bm25"]
-    results = evaluate_pipelines(EvaluateConfig(data=data, workdir=str(workdir), pipelines=pipelines, split=config.split))
-    return write_report(results, workdir, config.split, timings=config.timings)
+    init_ray()
+
+    with _stage(timings, "prepare"):
+        collection = load_collection(data)
+        if config.split not in collection.qrels:
+            raise ConfigError(f"--split {config.split!r}: {data} has qrels for {sorted(collection.qrels)}")
+        prepare_shards(PrepareConfig(data=data, workdir=str(workdir), shards=config.shards))
+        build_bm25_index(workdir)
+        if config.train_split in collection.qrels:
+            build_negatives(workdir, collection.split_queries(config.train_split),
+                            collection.qrels[config.train_split], split=config.train_split)
+        elif models:
+            raise ConfigError(f"training needs qrels for {config.train_split!r}; {data} has {sorted(collection.qrels)}"
+                              " (pass --models '' to evaluate BM25 only)")
+
+    training: dict[str, dict] = {}
+    for model in models:
+        with _stage(timings, f"train {model}"):
+            args = parse_stage_args(f"train:{model}", _train_argv(config, data, model))
+            result = MODELS[model].train(args)
+        training[model] = {
+            "checkpoint": str(result.best_checkpoint), "steps": result.steps,
+            "steps_this_run": result.steps - result.start_step, "trained": result.steps > result.start_step,
+            "best_dev_ndcg@10": result.best_metric, "best_step": result.best_step,
+            "wall_time_s": timings[f"train {model}"],
+        }
+        log.info("%s: %s", model, "trained %d steps" % training[model]["steps_this_run"]
+                 if training[model]["trained"] else f"already trained ({result.steps} steps): skipped")
+
+    index: dict[str, dict] = {}
+    gpu = ["--use-gpu"] if config.use_gpu else []
+    if "ck-qti" in models:
+        with _stage(timings, "index ck-qti (impact)"):
+            argv = ["--data", data, "--workdir", str(workdir), *IMPACT_FLAGS] + gpu
+            s = build_impact(parse_stage_args("index:ck-qti", argv))
+            index["ck-qti"] = {"documents": s.get("total_documents"), "shards_scored": s.get("shards_written"),
+                               "shards_skipped": s.get("shards_skipped"), "index_built": s.get("index_built")}
+    if "clear" in models:
+        with _stage(timings, "index clear (dense + λ)"):
+            argv = ["--data", data, "--workdir", str(workdir), "--tune-split", config.train_split] + gpu
+            s = build_dense(parse_stage_args("index:clear", argv))
+            index["clear"] = {"shards_embedded": s.get("shards_written"), "shards_skipped": s.get("shards_skipped"),
+                              "lambda": s.get("lambda"), "tune_queries": s.get("tune_queries")}
+
+    with _stage(timings, "evaluate"):
+        pipelines = available_pipelines(workdir)
+        results, evaluated = evaluate_or_reuse(data, workdir, pipelines, config.split, config.rerank_depth,
+                                               force=config.reevaluate)
+    timings["total"] = time.time() - t_start
+    summary = {"data": data, "split": config.split, "models": models, "pipelines": pipelines,
+               "evaluated": evaluated, "rerank_depth": config.rerank_depth, "results": results,
+               "training": training, "index": index, "timings_s": dict(timings)}
+    (workdir / "pipeline_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    notes = [f"Rerank depth {config.rerank_depth}; models trained on the {config.train_split!r} queries of {data}."]
+    reused = [p for p in pipelines if p not in evaluated]
+    if reused:
+        notes.append("Metrics reused, their inputs unchanged since computed (--reevaluate to redo): "
+                     f"{', '.join(reused)}.")
+    return write_report(results, workdir, config.split, timings=timings, training=training, notes=notes)

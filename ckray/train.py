@@ -11,8 +11,10 @@ the loss, score (query, document) pairs for validation); :func:`fit` does the re
 What happens inside
 -------------------
 * The driver starts (or connects to, via ``RAY_ADDRESS``) Ray and launches a ``TorchTrainer`` with
-  ``ScalingConfig(num_workers, use_gpu)``; Ray Train sets up ``torch.distributed`` (gloo on CPU, NCCL
-  on GPU) and ``deepspeed.initialize`` reuses that process group.
+  ``ScalingConfig(num_workers, use_gpu, resources_per_worker)`` (``cpus_per_worker`` CPUs plus any
+  custom resources such as ``ckray_train``, which the autoscaler answers with that node type); Ray
+  Train sets up ``torch.distributed`` (gloo on CPU, NCCL on GPU) and ``deepspeed.initialize`` reuses
+  that process group.
 * DeepSpeed runs ZeRO stage ``zero_stage`` (stage 0 with a single worker: nothing to partition) with ``torch.optim.AdamW`` (no weight decay on biases and
   norm weights), a linear warm-up + linear decay schedule (``torch`` ``LambdaLR``, stepped by
   DeepSpeed at every optimizer step), gradient accumulation and gradient clipping.
@@ -118,6 +120,9 @@ class TrainConfig:
     eval_at_start: bool = True       # also validate the untrained model (history entry at step 0)
     shuffle_buffer: int = 4096       # rows in the per-epoch local shuffle buffer (0: no shuffle)
     cpus_per_worker: int = 1         # logical CPUs reserved per worker = torch threads per worker
+    # extra Ray resources each worker asks for, e.g. {"ckray_train": 1}: only nodes that advertise them
+    # (cluster.yaml's training node type) take the workers, and the autoscaler launches such nodes
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         checks = [
@@ -138,6 +143,13 @@ class TrainConfig:
             (self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
             (self.shuffle_buffer >= 0, "shuffle_buffer must be >= 0"),
             (self.cpus_per_worker >= 1, "cpus_per_worker must be >= 1"),
+            (isinstance(self.resources_per_worker, dict)
+             and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                     for k, v in self.resources_per_worker.items()),
+             "resources_per_worker must map resource names to amounts >= 0"),
+            (not {"CPU", "GPU"} & set(self.resources_per_worker if isinstance(self.resources_per_worker, dict)
+                                      else {}),
+             "resources_per_worker: set CPUs with cpus_per_worker and GPUs with use_gpu"),
         ]
         for ok, message in checks:
             if not ok:
@@ -334,11 +346,38 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if name == "zero_stage":
             kwargs["choices"] = (0, 1, 2, 3)
         group.add_argument(flag, **kwargs)
+    group.add_argument("--resources-per-worker", dest="train_resources_per_worker", type=parse_resources,
+                       default=None, metavar="JSON|K=V[,K=V]",
+                       help='extra Ray resources per worker, e.g. ckray_train=1 or \'{"ckray_train": 1}\' '
+                            "(default: none)")
     group.add_argument("--use-gpu", dest="train_use_gpu", action="store_true", default=None,
                        help="one GPU per worker (default: CPU)")
+    group.add_argument("--no-eval-at-start", dest="train_eval_at_start", action="store_false", default=None,
+                       help="skip validating the untrained model (step 0)")
     group.add_argument("--no-resume", dest="train_resume", action="store_false", default=None,
                        help="start over: delete the run directory instead of resuming from it")
     return parser
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``'{"ckray_train": 1}'`` or ``ckray_train=1,other=0.5`` → ``{"ckray_train": 1.0, ...}``."""
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+        else:
+            value = {}
+            for item in filter(None, (s.strip() for s in text.split(","))):
+                key, sep, amount = item.partition("=")
+                if not sep or not key.strip():
+                    raise ValueError(f"{item!r} is not NAME=AMOUNT")
+                value[key.strip()] = amount
+        return {str(k): float(v) for k, v in value.items()}
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"resources {text!r}: {exc} (expected JSON like '{{\"ckray_train\": 1}}' or ckray_train=1)") from None
 
 
 def config_from_args(args: argparse.Namespace, **defaults: Any) -> TrainConfig:
@@ -363,7 +402,8 @@ def _run_trainer(task: RankerTask, dataset: Any, dev: DevSet, config: TrainConfi
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    resources = {"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})}
+    resources = {"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {}),
+                 **config.resources_per_worker}
     trainer = TorchTrainer(
         _train_worker,
         train_loop_config={"task": task, "config": config, "dev": dev, "fit_id": fit_id, "run_dir": run_dir},

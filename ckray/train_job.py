@@ -78,6 +78,8 @@ def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: Trai
     out = Path(args.workdir) / "checkpoints" / name
     config = config_from_args(args, output_dir=str(out), storage_dir=str(Path(args.workdir).resolve() / "train"),
                               run_name=name, **train_defaults)
+    summary_path = out / "train_summary.json"
+    previous = summary_path.read_bytes() if summary_path.exists() else None  # fit replaces the directory
     result = fit(task, td.triples, td.dev, config)
     summary = {
         "name": name, "best_dev_ndcg@10": result.best_metric, "best_step": result.best_step,
@@ -85,7 +87,13 @@ def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: Trai
         "train_triples": td.triples.num_rows, "train_queries": len(td.train_queries), "dev_queries": len(td.dev),
         "config": dataclasses.asdict(config), "history": result.history,
     }
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if previous is not None and result.steps == result.start_step and not result.attempts \
+            and json.loads(previous).get("steps") == result.steps:
+        # the run was finished, nothing trained: keep the summary of the call that trained it, so the
+        # checkpoint directory stays byte-identical (index builds stamp a hash of all its files)
+        summary_path.write_bytes(previous)
+    else:
+        summary_path.write_text(json.dumps(summary, indent=2, default=str))
     print(f"{name}: best dev nDCG@10 {result.best_metric:.4f} at step {result.best_step}; "
           f"{result.steps} steps, {result.examples_seen} examples, {result.wall_time:.0f}s → {out}")
     return result

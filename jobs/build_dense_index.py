@@ -16,32 +16,20 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 
 def main(args) -> None:
-    from ckray.data.collections import read_queries_and_qrels
-    from ckray.index.dense import EmbedConfig, IndexConfig, build_dense_index, tune_hybrid
-    from ckray.ray_env import init_ray
+    from ckray.stages import build_dense
 
-    init_ray()
-    checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
-    _, summary = build_dense_index(args.workdir, checkpoint,
-                                   EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16),
-                                   IndexConfig(kind=args.index))
+    summary = build_dense(args)
+    lam = summary.pop("lambda")
+    tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split") if k in summary}
     print(f"embedding job: {summary}")
-    queries, qrels = read_queries_and_qrels(Path(args.data))
-    if args.tune_split in qrels:
-        split_q = {q: queries[q] for q in qrels[args.tune_split] if q in queries}
-        config = tune_hybrid(args.workdir, split_q, qrels[args.tune_split], checkpoint)
-        print(f"λ_test = {config.lam} (tuned on {len(split_q)} {args.tune_split} queries)")
+    if lam is not None:
+        print(f"λ_test = {lam} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
 
 
 def parser():
-    p = base_parser(__doc__)
-    p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default W/checkpoints/clear)")
-    p.add_argument("--actors", type=int, default=1)
-    p.add_argument("--use-gpu", action="store_true")
-    p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
-    p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat")
-    p.add_argument("--tune-split", default="train", help="qrels split whose queries tune λ_test (never test)")
-    return p
+    from ckray.stages import add_dense_args
+
+    return add_dense_args(base_parser(__doc__))
 
 
 if __name__ == "__main__":

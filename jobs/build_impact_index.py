@@ -17,30 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 from ckray.cli import base_parser, run_job  # noqa: E402
 
 
-def ensure_shards(data: str, workdir: str) -> None:
-    """Shard the corpus when the work directory has no shards yet (idempotent otherwise)."""
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.data.shards import MANIFEST, read_json, shards_dir
-
-    manifest = shards_dir(workdir) / MANIFEST
-    shards = read_json(manifest)["num_shards_requested"] if manifest.exists() else PrepareConfig.shards
-    prepare_shards(PrepareConfig(data=data, workdir=workdir, shards=shards))
-
-
 def build(args) -> dict:
     """The job; returns its summary (``build_impact_index``'s)."""
-    from ckray.index.impact import ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint
+    from ckray.stages import build_impact
 
-    checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
-    _check_checkpoint(checkpoint)  # a clear error before any work
-    config = ImpactConfig(top_k=args.top_k, expansion_candidates=args.expansion_candidates,
-                          candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
-                          actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
-                          batch_size=args.batch_size, token_budget=args.token_budget,
-                          index_threads=args.index_threads)
-    config.validate()
-    ensure_shards(args.data, args.workdir)
-    return build_impact_index(args.workdir, checkpoint, config)
+    return build_impact(args)
 
 
 def main(args) -> None:
@@ -50,22 +31,9 @@ def main(args) -> None:
 
 
 def parser():
-    p = base_parser(__doc__)
-    p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
-    p.add_argument("--top-k", type=int, default=128, help="terms kept per document")
-    p.add_argument("--expansion-candidates", type=int, default=256,
-                   help="vocabulary terms added to a document's own terms as candidates")
-    p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
-                   help="how expansion candidates are chosen (window: cheap; position: GPU)")
-    p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
-    p.add_argument("--scale", type=float, default=None, help="fixed quantisation scale (overrides --quant-max)")
-    p.add_argument("--actors", type=int, default=1, help="actor pool size (one model copy each)")
-    p.add_argument("--use-gpu", action="store_true", help="one GPU per actor")
-    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
-    p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
-    p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
-    p.add_argument("--index-threads", type=int, default=2, help="Lucene indexing threads")
-    return p
+    from ckray.stages import add_impact_args
+
+    return add_impact_args(base_parser(__doc__))
 
 
 if __name__ == "__main__":

@@ -16,26 +16,15 @@ from ckray.train_job import training_parser  # noqa: E402
 
 
 def main(args) -> None:
-    from ckray.models.cedr import CEDRConfig, CEDRTask
-    from ckray.train_job import run_training
+    from ckray.stages import train_cedr
 
-    config = CEDRConfig(variant=args.variant, encoder=args.encoder, num_layers=args.num_layers,
-                        max_length=args.max_length, max_segments=args.max_segments)
-    task = CEDRTask(model_config=config)
-    run_training(task, args, task.name, lr=2e-5, max_steps=500, eval_every=100, batch_size=4, warmup_steps=20)
+    train_cedr(args)
 
 
 def parser():
-    from ckray.models.encoders import DEFAULT_ENCODER
+    from ckray.stages import add_cedr_args
 
-    p = training_parser(__doc__)
-    g = p.add_argument_group("model (ckray.models.cedr)")
-    g.add_argument("--variant", choices=("knrm", "pacrr", "drmm", "vanilla"), default="knrm")
-    g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
-    g.add_argument("--num-layers", type=int, default=None, help="use only the first L encoder layers")
-    g.add_argument("--max-length", type=int, default=512, help="tokens per (query, segment) input")
-    g.add_argument("--max-segments", type=int, default=4, help="segments per long document")
-    return p
+    return add_cedr_args(training_parser(__doc__))
 
 
 if __name__ == "__main__":

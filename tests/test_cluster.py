@@ -230,35 +230,48 @@ def test_teardown_finds_the_clusters_processes_and_only_them(tmp_path):
             p.wait(timeout=10)
 
 
+# --------------------------------------------------------------------------- training workers' resources
+
+
+def test_training_workers_ask_for_the_training_node_resource(monkeypatch, tmp_path):
+    """--resources-per-worker (JSON or NAME=AMOUNT) reaches Ray Train's ScalingConfig, next to the CPUs."""
+    import argparse
+
+    import ray.train.torch
+
+    from ckray.train import TrainConfig, _run_trainer, add_train_args, config_from_args
+
+    parser = add_train_args(argparse.ArgumentParser())
+    for flag in (f"{TRAIN_RESOURCE}=1", f'{{"{TRAIN_RESOURCE}": 1}}'):
+        config = config_from_args(parser.parse_args(["--workers", "2", "--resources-per-worker", flag]))
+        assert config.resources_per_worker == {TRAIN_RESOURCE: 1.0}
+    assert config_from_args(parser.parse_args([])).resources_per_worker == {}
+    for bad in ("ckray_train", "ckray_train=x", "[1]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--resources-per-worker", bad])
+    for bad in ({"CPU": 2}, {"GPU": 1}, {TRAIN_RESOURCE: -1}):
+        with pytest.raises(ConfigError, match="resources_per_worker"):
+            TrainConfig(resources_per_worker=bad).validate()
+
+    seen = {}
+
+    class Trainer:  # stands in for TorchTrainer: records what it was given
+        def __init__(self, fn, *, scaling_config, **kwargs):
+            seen["scaling"] = scaling_config
+
+        def fit(self):
+            return "fitted"
+
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", Trainer)
+    assert _run_trainer(None, None, None, config, str(tmp_path), "run", str(tmp_path / "run"), "id") == "fitted"
+    assert seen["scaling"].num_workers == 2
+    assert seen["scaling"].resources_per_worker == {"CPU": 1, TRAIN_RESOURCE: 1.0}
+
+
 # --------------------------------------------------------------------------- real autoscaling
 
 IDLE_TIMEOUT_MIN = 0.25  # 15 s
-
-# A driver with the resource shape of a 2-worker Ray Train run on the training node type: one
-# placement-group bundle per worker, packed, each needing the node type's custom resource.
-# It prints where its workers ran. (Swap in a real training job here once one exists.)
-PROBE_DRIVER = f"""
-import json, os
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-ray.init()
-bundle = {{"CPU": 1, "{TRAIN_RESOURCE}": 1}}
-pg = placement_group([bundle, bundle], strategy="PACK")
-ray.get(pg.ready(), timeout=240)
-
-@ray.remote(num_cpus=1, resources={{"{TRAIN_RESOURCE}": 1}})
-class Worker:
-    def where(self):
-        return {{"node_id": ray.get_runtime_context().get_node_id(),
-                "node_type": os.environ.get("RAY_NODE_TYPE_NAME")}}
-
-workers = [Worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-    pg, placement_group_bundle_index=i)).remote() for i in range(2)]
-print("CKRAY_PROBE " + json.dumps(ray.get([w.where.remote() for w in workers])), flush=True)
-remove_placement_group(pg)
-"""
+TRAIN_STEPS = 3
 
 
 def _diagnostics(head) -> str:
@@ -270,28 +283,43 @@ def _diagnostics(head) -> str:
 
 
 @pytest.mark.slow
-def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle():
+def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle(ray_session, tmp_path):
+    """`ray job submit -- python jobs/train_ck.py --workers 2 --resources-per-worker ckray_train=1` to a
+    head with cluster.yaml's node types (fake provider, 2 CPUs per node): the two Ray Train workers
+    need `ckray_train`, which only the training node type has, so the autoscaler adds one such node;
+    the job trains and writes its checkpoint; the node is removed after the idle timeout."""
+    from ckray.data.sample import SampleConfig, generate_sample
+    from ckray.train_job import ensure_prepared
+
     t0 = time.time()
+    # The data artifacts first, on the session's in-process Ray: the job then finds them up to date,
+    # so its only demand on the autoscaling cluster is the training workers (no Ray Data tasks there
+    # that could make the autoscaler pick some other node type for plain CPU demand).
+    data = generate_sample(tmp_path / "data", SampleConfig(n_topics=12))
+    w = tmp_path / "w"
+    ensure_prepared(str(data), str(w), "train")
+    t_prepared = time.time() - t0
+
     cfg = local_fake_config(CLUSTER_YAML, cpus_per_node=2, idle_timeout_minutes=IDLE_TIMEOUT_MIN,
                             max_workers_per_type=2)
     train_type, _ = _type_with(cfg, TRAIN_RESOURCE)
-    with local_autoscaling_head(cfg) as head:
+    with local_autoscaling_head(cfg, cwd=ROOT) as head:
         marker, temp_dir, leader = head.marker, head.temp_dir, head.pid
         t_ready = time.time() - t0
         alive = head.alive_nodes()
         assert [n["is_head_node"] for n in alive] == [True], "starts with the head only (min_workers: 0)"
 
-        job_id = f"ckray-autoscale-{uuid.uuid4().hex[:8]}"
-        submit = subprocess.run(
-            head.ray_cmd("job", "submit", f"--address={head.dashboard_url}", f"--submission-id={job_id}",
-                         "--no-wait", "--", sys.executable, "-c", PROBE_DRIVER),
-            env=head.env, capture_output=True, text=True, timeout=120)
-        assert submit.returncode == 0, submit.stdout + submit.stderr
+        job_id = head.submit_job(
+            [sys.executable, "jobs/train_ck.py", "--data", str(data), "--workdir", str(w),
+             "--workers", "2", "--resources-per-worker", f"{TRAIN_RESOURCE}=1",
+             "--max-steps", str(TRAIN_STEPS), "--eval-every", "0", "--batch-size", "2", "--layers", "1",
+             "--max-doc-len", "128", "--max-dev-queries", "4", "--dev-depth", "5", "--log-every", "1"],
+            f"ckray-autoscale-{uuid.uuid4().hex[:8]}")
 
-        # Scale-up: the job needs ckray_train, which only the training node type has.
+        # Scale-up: the training workers need ckray_train, which only the training node type has.
         added: dict[str, dict] = {}
         status = None
-        deadline = time.time() + 180
+        deadline = time.time() + 420
         while time.time() < deadline:
             for n in head.alive_nodes():
                 if not n["is_head_node"]:
@@ -303,7 +331,7 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle():
         # The node outlives the job by the idle timeout: one more look catches it in any case.
         added.update({n["node_id"]: n for n in head.alive_nodes() if not n["is_head_node"]})
         logs = head.job_logs(job_id)
-        assert status == "SUCCEEDED", f"job {status}:\n{logs[-3000:]}{_diagnostics(head)}"
+        assert status == "SUCCEEDED", f"job {status}:\n{logs[-4000:]}{_diagnostics(head)}"
         t_job = time.time() - t0
         assert added, "the autoscaler added no node" + _diagnostics(head)
         for n in added.values():
@@ -313,10 +341,16 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle():
         assert any(e.startswith("Adding ") and e.endswith(f"node(s) of type {train_type}.")
                    for e in head.autoscaler_events()), head.autoscaler_events()
 
-        line = next(ln for ln in logs.splitlines() if ln.startswith("CKRAY_PROBE "))
-        placed = json.loads(line.split(" ", 1)[1])
-        assert {p["node_id"] for p in placed} <= set(added), f"workers ran off the new node: {placed}"
-        assert {p["node_type"] for p in placed} == {train_type}
+        # The job trained: its checkpoint and summary, with the per-worker resources it asked for.
+        summary = json.loads((w / "checkpoints" / "ck-qti" / "train_summary.json").read_text())
+        assert summary["steps"] == TRAIN_STEPS and summary["config"]["workers"] == 2
+        assert summary["config"]["resources_per_worker"] == {TRAIN_RESOURCE: 1.0}
+        assert (w / "checkpoints" / "ck-qti" / "model.safetensors").exists()
+        assert f"step {TRAIN_STEPS}/{TRAIN_STEPS}" in logs, logs[-3000:]
+        # ... and its Ray Train workers ran on the added training node(s), nowhere else.
+        workers = [a for a in head.actors() if a.get("class_name") == "RayTrainWorker"]
+        assert len(workers) == 2, workers
+        assert {a["node_id"] for a in workers} <= set(added), f"workers ran off the new node: {workers}"
 
         # Scale-down: idle for idle_timeout_minutes -> terminated (the node turns DEAD in the GCS).
         deadline = time.time() + IDLE_TIMEOUT_MIN * 60 + 120
@@ -336,5 +370,5 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle():
     # Teardown: nothing of this cluster survives (fake worker nodes, workers, job driver).
     assert _cluster_pids(leader, marker, str(temp_dir)) == []
     assert not temp_dir.exists()
-    print(f"\nhead ready {t_ready:.0f}s, job done (node added) {t_job:.0f}s, "
+    print(f"\ndata prepared {t_prepared:.0f}s, head ready {t_ready:.0f}s, job done (node added) {t_job:.0f}s, "
           f"node removed {t_removed:.0f}s, torn down {time.time() - t0:.0f}s")

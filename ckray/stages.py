@@ -1,0 +1,276 @@
+"""The stages the jobs and the main pipeline share: training each model, building each index.
+
+Each function takes the ``argparse.Namespace`` of its job's parser, so ``jobs/train_*.py`` and
+``jobs/build_*_index.py`` are these functions behind a command line, and ``ckray.full_pipeline``
+runs exactly the same code with a namespace parsed from a few flags (``parse_stage_args``)::
+
+    args = parse_stage_args("cedr-knrm", ["--data", D, "--workdir", W, "--max-steps", "20"])
+    result = MODELS["cedr-knrm"].train(args)          # == python jobs/train_cedr.py --data D ...
+
+Every stage skips finished work: a training run already at ``--max-steps`` is not started again
+(``ckray.train.fit``), finished impact / embedding shards and an up-to-date index are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from ckray.errors import ConfigError
+
+
+# --------------------------------------------------------------------------- models: CK-QTI
+
+
+def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("model (ckray.models.ck)")
+    g.add_argument("--qti", dest="qti", action="store_true", default=True, help="query term independence (CK-QTI)")
+    g.add_argument("--no-qti", dest="qti", action="store_false", help="the paper's full CK (query contextualised)")
+    g.add_argument("--attention", choices=("separable", "quadratic"), default="separable",
+                   help="quadratic = the TK baseline")
+    g.add_argument("--max-doc-len", type=int, default=4000, help="document word pieces (not cut at 512)")
+    g.add_argument("--layers", type=int, default=2, help="Conformer blocks")
+    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints")
+    g.add_argument("--default-lr", type=float, default=1e-3, help="learning rate when --lr is not given")
+    return p
+
+
+def train_ck(args: argparse.Namespace):
+    """CK-QTI (or the full CK with ``--no-qti``, the TK baseline with ``--attention quadratic``):
+    corpus statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>."""
+    from ckray.data.collections import doc_text
+    from ckray.data.shards import load_corpus_table
+    from ckray.models.ck import CKConfig, corpus_statistics, tk_config
+    from ckray.tasks import CKTask
+    from ckray.train_job import run_training, training_data
+
+    base = tk_config() if args.attention == "quadratic" else CKConfig(qti=args.qti)
+    config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers)
+    name = args.name or ("tk" if args.attention == "quadratic" else "ck-qti" if args.qti else "ck")
+    td = training_data(args)  # prepares shards, BM25 and negatives when missing
+    corpus = load_corpus_table(args.workdir)
+    stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())),
+                              config)
+    task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
+                  mean_doc_len=stats.mean_doc_len, name=name)
+    return run_training(task, args, name, td=td, lr=args.default_lr, max_steps=1000, eval_every=200, batch_size=16)
+
+
+# --------------------------------------------------------------------------- models: CLEAR
+
+
+def add_clear_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.models.encoders import DEFAULT_ENCODER
+
+    g = p.add_argument_group("model (ckray.models.clear)")
+    g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
+    g.add_argument("--doc-max-len", type=int, default=256)
+    g.add_argument("--xi", type=float, default=0.2, help="ξ, the margin before the lexical residual")
+    g.add_argument("--lambda-train", type=float, default=0.05, help="λ_train, weight of the BM25 gap in the margin")
+    g.add_argument("--constant-margin", action="store_true", help="ablation: m = ξ (no lexical residual)")
+    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints")
+    return p
+
+
+def train_clear(args: argparse.Namespace):
+    """CLEAR (BM25-residual margin) → W/checkpoints/clear (clear-constant with --constant-margin)."""
+    from ckray.models.clear import CLEARConfig, CLEARLossConfig, CLEARTask
+    from ckray.train_job import run_training
+
+    name = args.name or ("clear-constant" if args.constant_margin else "clear")
+    task = CLEARTask(model_config=CLEARConfig(encoder=args.encoder, doc_max_len=args.doc_max_len),
+                     loss_config=CLEARLossConfig(xi=args.xi, lambda_train=args.lambda_train,
+                                                 constant_margin=args.constant_margin), name=name)
+    return run_training(task, args, name, lr=2e-5, max_steps=500, eval_every=100, batch_size=8, warmup_steps=20)
+
+
+# --------------------------------------------------------------------------- models: CEDR
+
+
+def add_cedr_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.models.encoders import DEFAULT_ENCODER
+
+    g = p.add_argument_group("model (ckray.models.cedr)")
+    g.add_argument("--variant", choices=("knrm", "pacrr", "drmm", "vanilla"), default="knrm")
+    g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
+    g.add_argument("--num-layers", type=int, default=None, help="use only the first L encoder layers")
+    g.add_argument("--max-length", type=int, default=512, help="tokens per (query, segment) input")
+    g.add_argument("--max-segments", type=int, default=4, help="segments per long document")
+    return p
+
+
+def train_cedr(args: argparse.Namespace):
+    """A CEDR reranker (or vanilla BERT) → W/checkpoints/cedr-<variant> (vanilla-bert)."""
+    from ckray.models.cedr import CEDRConfig, CEDRTask
+    from ckray.train_job import run_training
+
+    config = CEDRConfig(variant=args.variant, encoder=args.encoder, num_layers=args.num_layers,
+                        max_length=args.max_length, max_segments=args.max_segments)
+    task = CEDRTask(model_config=config)
+    return run_training(task, args, task.name, lr=2e-5, max_steps=500, eval_every=100, batch_size=4, warmup_steps=20)
+
+
+# --------------------------------------------------------------------------- models: QDS-Transformer
+
+
+def add_qds_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.models.encoders import DEFAULT_ENCODER
+
+    g = p.add_argument_group("model (ckray.models.qds)")
+    g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
+    g.add_argument("--pattern", choices=("qds", "longformer-qa", "local"), default="qds")
+    g.add_argument("--max-length", type=int, default=2048, help="tokens of [CLS] query [SEP] [SOS] sentences …")
+    g.add_argument("--window", type=int, default=128, help="local attention window w")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    return p
+
+
+def train_qds(args: argparse.Namespace):
+    """The QDS-Transformer cross-encoder → W/checkpoints/qds (qds-<pattern> for the ablations)."""
+    from ckray.models.qds import QDSConfig, QDSTask
+    from ckray.train_job import run_training
+
+    name = "qds" if args.pattern == "qds" else f"qds-{args.pattern}"
+    config = QDSConfig(encoder=args.encoder, max_length=args.max_length, window=args.window, pattern=args.pattern,
+                       gradient_checkpointing=args.gradient_checkpointing)
+    task = QDSTask(model_config=config, name=name)
+    return run_training(task, args, name, lr=2e-5, max_steps=500, eval_every=100, batch_size=4, warmup_steps=20)
+
+
+@dataclass(frozen=True)
+class ModelStage:
+    """One trainable model: its job's flags and its training function (returns a TrainResult)."""
+
+    name: str                                                          # default checkpoint name
+    add_args: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+    train: Callable[[argparse.Namespace], object]
+    job: str                                                           # its command-line job
+
+
+MODELS: dict[str, ModelStage] = {
+    "ck-qti": ModelStage("ck-qti", add_ck_args, train_ck, "jobs/train_ck.py"),
+    "clear": ModelStage("clear", add_clear_args, train_clear, "jobs/train_clear.py"),
+    "cedr-knrm": ModelStage("cedr-knrm", add_cedr_args, train_cedr, "jobs/train_cedr.py"),
+    "qds": ModelStage("qds", add_qds_args, train_qds, "jobs/train_qds.py"),
+}
+
+
+def model_parser(name: str, description: str | None = None) -> argparse.ArgumentParser:
+    """The full flag set of a model's training job: common flags, training data, loop, model."""
+    from ckray.train_job import training_parser
+
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name].add_args(training_parser(description or f"train {name}"))
+
+
+# --------------------------------------------------------------------------- indexes: CK-QTI impact
+
+
+def add_impact_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
+    p.add_argument("--top-k", type=int, default=128, help="terms kept per document")
+    p.add_argument("--expansion-candidates", type=int, default=256,
+                   help="vocabulary terms added to a document's own terms as candidates")
+    p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
+                   help="how expansion candidates are chosen (window: cheap; position: GPU)")
+    p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
+    p.add_argument("--scale", type=float, default=None, help="fixed quantisation scale (overrides --quant-max)")
+    p.add_argument("--actors", type=int, default=1, help="actor pool size (one model copy each)")
+    p.add_argument("--use-gpu", action="store_true", help="one GPU per actor")
+    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
+    p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
+    p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
+    p.add_argument("--index-threads", type=int, default=2, help="Lucene indexing threads")
+    return p
+
+
+def ensure_shards(data: str, workdir: str) -> None:
+    """Shard the corpus when the work directory has no shards yet (idempotent otherwise)."""
+    from ckray.data.prepare import PrepareConfig, prepare_shards
+    from ckray.data.shards import MANIFEST, read_json, shards_dir
+
+    manifest = shards_dir(workdir) / MANIFEST
+    shards = read_json(manifest)["num_shards_requested"] if manifest.exists() else PrepareConfig.shards
+    prepare_shards(PrepareConfig(data=data, workdir=workdir, shards=shards))
+
+
+def build_impact(args: argparse.Namespace) -> dict:
+    """The CK-QTI impact index (W/impact/index); returns ``build_impact_index``'s summary."""
+    from ckray.index.impact import ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint
+
+    checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
+    _check_checkpoint(checkpoint)  # a clear error before any work
+    config = ImpactConfig(top_k=args.top_k, expansion_candidates=args.expansion_candidates,
+                          candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
+                          actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
+                          batch_size=args.batch_size, token_budget=args.token_budget,
+                          index_threads=args.index_threads)
+    config.validate()
+    ensure_shards(args.data, args.workdir)
+    return build_impact_index(args.workdir, checkpoint, config)
+
+
+# --------------------------------------------------------------------------- indexes: CLEAR dense + hybrid
+
+
+def add_dense_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default W/checkpoints/clear)")
+    p.add_argument("--actors", type=int, default=1)
+    p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
+    p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat")
+    p.add_argument("--tune-split", default="train", help="qrels split whose queries tune λ_test (never test)")
+    p.add_argument("--tune-queries", choices=("held-out", "all"), default="held-out",
+                   help="tune λ_test on the held-out dev queries of --tune-split (those CLEAR did not train on) "
+                        "or on all of them (fine for an untrained encoder)")
+    return p
+
+
+def build_dense(args: argparse.Namespace) -> dict:
+    """Embed the corpus with a CLEAR checkpoint, build W/dense/index and tune the hybrid λ_test on
+    the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
+    ``lambda`` (None when the collection has no such split)."""
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.index.dense import EmbedConfig, IndexConfig, build_dense_index, tune_hybrid
+    from ckray.ray_env import init_ray
+
+    init_ray()
+    checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
+    _, summary = build_dense_index(args.workdir, checkpoint,
+                                   EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16),
+                                   IndexConfig(kind=args.index))
+    summary = dict(summary, **{"lambda": None})
+    queries, qrels = read_queries_and_qrels(Path(args.data))
+    if args.tune_split in qrels:
+        if getattr(args, "tune_queries", "held-out") == "held-out":
+            from ckray.fusion import dev_queries
+
+            split_q, tune_qrels = dev_queries(queries, qrels, split=args.tune_split)
+        else:
+            split_q = {q: queries[q] for q in qrels[args.tune_split] if q in queries}
+            tune_qrels = qrels[args.tune_split]
+        config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint)
+        summary.update({"lambda": config.lam, "tune_queries": len(split_q), "tune_split": args.tune_split})
+    return summary
+
+
+INDEXES: dict[str, tuple[Callable, Callable]] = {   # model → (add_args, build) of its index job
+    "ck-qti": (add_impact_args, build_impact),
+    "clear": (add_dense_args, build_dense),
+}
+
+
+def parse_stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` with a stage's job parser: ``"train:<model>"`` or ``"index:<model>"``; unset
+    flags get the job's defaults."""
+    from ckray.cli import base_parser
+
+    kind, _, model = stage.partition(":")
+    if kind == "train":
+        return model_parser(model).parse_args(argv)
+    if kind == "index" and model in INDEXES:
+        return INDEXES[model][0](base_parser(f"{model} index")).parse_args(argv)
+    raise ConfigError(f"unknown stage {stage!r}")
