@@ -22,13 +22,19 @@ actor pool (``ActorPoolStrategy``): each actor loads the checkpoint once and sco
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 30.0  # seconds between progress lines of a long in-process rerank
 
 Run = dict[str, list[tuple[str, float]]]
 DocText = Mapping[str, str] | Callable[[str], str]
@@ -85,12 +91,20 @@ def merge_scores(run: Run, scores: Mapping[tuple[str, str], float], depth: int) 
 
 
 def _score_rows(model: Any, rows: list[dict[str, str]], batch_size: int) -> dict[tuple[str, str], float]:
+    """Score every row in batches; logs pairs/s and an ETA every ``PROGRESS_EVERY_S`` seconds."""
     scores: dict[tuple[str, str], float] = {}
+    start = last = time.perf_counter()
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         s = model.score_texts([r["query"] for r in chunk], [r["doc"] for r in chunk])
         for r, v in zip(chunk, torch.as_tensor(s).float().tolist()):
             scores[(r["qid"], r["doc_id"])] = v
+        now = time.perf_counter()
+        if now - last >= PROGRESS_EVERY_S:
+            done, rate = i + len(chunk), (i + len(chunk)) / (now - start)
+            log.info("reranked %d/%d pairs (%.1f pairs/s, eta %.0f s)", done, len(rows), rate,
+                     (len(rows) - done) / rate)
+            last = now
     return scores
 
 
