@@ -257,7 +257,7 @@ def test_interpolated_reranking_equals_the_offline_plus_pipeline(server, workdir
         assert got.status_code == 200, got.text
         assert got.json()["interpolation_weight"] == 0.8
         assert_same_ranking(got.json()["results"], want[qid], tol=1e-4)
-    two = server.post("/search", json={**body, "retrievers": ["bm25", CLASSIC]})
+    two = server.post("/search", json={**body, "retrievers": ["bm25", CLASSIC["name"]]})
     assert two.status_code == 400 and "exactly one retriever" in two.json()["detail"]
 
 
