@@ -56,9 +56,32 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     return config
 
 
-def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
+def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int):
+    """The tuned weight of a ``first+reranker`` pipeline: the saved one when it was tuned at this depth
+    for this checkpoint, otherwise tuned again (``tune_interpolation``)."""
     from ckray.fusion import checkpoint_stamp, fusion_path, load_interpolation
-    from ckray.pipelines import build_pipeline, checkpoint_dir, is_interpolated, parse_pipeline
+    from ckray.pipelines import checkpoint_dir, parse_pipeline
+
+    first, reranker = parse_pipeline(pipeline)
+    tuned = load_interpolation(workdir, first, reranker) if fusion_path(workdir, first, reranker).exists() else None
+    if (tuned is None or tuned.depth != rerank_depth
+            or tuned.checkpoint_stamp != checkpoint_stamp(checkpoint_dir(workdir, reranker))):
+        tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth)
+    return tuned
+
+
+def write_results(config: EvaluateConfig, name: str, run, qrels: dict) -> dict[str, float]:
+    """Evaluate one pipeline's run on ``config.split`` and write its run file, metrics and per-query metrics."""
+    metrics = evaluate(run, qrels, config.measures)
+    write_trec_run(run, run_path(config.workdir, name, config.split), tag=name.replace(">", "_"))
+    write_json_atomic(metrics, metrics_path(config.workdir, name, config.split))
+    write_json_atomic(per_query(run, qrels, config.measures),
+                      metrics_path(config.workdir, name, config.split).with_suffix(".per-query.json"))
+    return metrics
+
+
+def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
+    from ckray.pipelines import build_pipeline, is_interpolated
 
     queries, qrels = read_queries_and_qrels(Path(config.data))
     if config.split not in qrels:
@@ -68,20 +91,11 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
     for name in config.pipelines:
         t0 = time.time()
         if is_interpolated(name):
-            first, reranker = parse_pipeline(name)
-            tuned = (load_interpolation(config.workdir, first, reranker)
-                     if fusion_path(config.workdir, first, reranker).exists() else None)
-            if (tuned is None or tuned.depth != config.rerank_depth
-                    or tuned.checkpoint_stamp != checkpoint_stamp(checkpoint_dir(config.workdir, reranker))):
-                tune_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
+            ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth)
         run = pipe.run(split_q, k=config.k)
         wall = time.time() - t0
-        metrics = evaluate(run, qrels[config.split], config.measures)
-        write_trec_run(run, run_path(config.workdir, name, config.split), tag=name.replace(">", "_"))
-        write_json_atomic(metrics, metrics_path(config.workdir, name, config.split))
-        write_json_atomic(per_query(run, qrels[config.split], config.measures),
-                          metrics_path(config.workdir, name, config.split).with_suffix(".per-query.json"))
+        metrics = write_results(config, name, run, qrels[config.split])
         log.info("%s on %s: %s (%.1fs for %d queries)", name, config.split, metrics, wall, len(split_q))
         results[name] = metrics
     return results

@@ -164,22 +164,16 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) 
     interpolate with the weight tuned on held-out training queries) and written like
     ``ckray.evaluate.evaluate_pipelines`` writes it (run file, metrics, per-query metrics), so the
     figures equal ``jobs/evaluate.py``'s; only the reranker's scores are computed once, not twice."""
-    from ckray.data.collections import read_queries_and_qrels, write_trec_run
-    from ckray.data.shards import write_json_atomic
-    from ckray.eval import evaluate, per_query
-    from ckray.evaluate import metrics_path, run_path, tune_interpolation
-    from ckray.fusion import checkpoint_stamp, fusion_path, interpolate, load_interpolation
-    from ckray.pipelines import build_pipeline, checkpoint_dir
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.evaluate import ensure_interpolation, write_results
+    from ckray.fusion import interpolate
+    from ckray.pipelines import build_pipeline
 
     plain, plus = f"{first}>{reranker}", f"{first}+{reranker}"
     queries, qrels = read_queries_and_qrels(Path(config.data))
     split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
     t0 = time.time()
-    tuned = (load_interpolation(config.workdir, first, reranker)
-             if fusion_path(config.workdir, first, reranker).exists() else None)
-    if (tuned is None or tuned.depth != config.rerank_depth
-            or tuned.checkpoint_stamp != checkpoint_stamp(checkpoint_dir(config.workdir, reranker))):
-        tuned = tune_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
+    tuned = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
     reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
@@ -188,11 +182,7 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) 
     results = {}
     for name, run in runs.items():
         run = {q: docs[:config.k] for q, docs in run.items()}
-        metrics = evaluate(run, qrels[config.split], config.measures)
-        write_trec_run(run, run_path(config.workdir, name, config.split), tag=name.replace(">", "_"))
-        write_json_atomic(metrics, metrics_path(config.workdir, name, config.split))
-        write_json_atomic(per_query(run, qrels[config.split], config.measures),
-                          metrics_path(config.workdir, name, config.split).with_suffix(".per-query.json"))
+        metrics = write_results(config, name, run, qrels[config.split])
         log.info("%s on %s: %s (%.1fs for %d queries, with %s)", name, config.split, metrics, wall,
                  len(split_q), plus if name == plain else plain)
         results[name] = metrics
