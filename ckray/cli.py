@@ -19,8 +19,21 @@ def setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` of every job: the description (the job's docstring) as written, and each option's
+    default after its help, except a default of None (a required flag, or one whose real default the
+    help text itself gives, e.g. a training flag whose default depends on the model)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def base_parser(description: str, data: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """A job's parser with the flags every job has: ``--data`` (unless ``data=False``), ``--workdir``,
+    ``--address``, ``--log-level``."""
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     if data:
         p.add_argument("--data", required=True, help="collection directory (BEIR or MS MARCO layout)")
     p.add_argument("--workdir", required=True, help="work directory holding every artifact")

@@ -251,9 +251,7 @@ def _train_argv(config: FullPipelineConfig, data: str, model: str) -> list[str]:
 def run_full_pipeline(config: FullPipelineConfig) -> str:
     """Run every stage; returns the printed report (metrics table, stage times, report paths)."""
     from ckray.data.collections import load_collection
-    from ckray.data.examples import build_negatives
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.lexical.bm25 import build_bm25_index
+    from ckray.data.prepare import prepare_collection
     from ckray.ray_env import init_ray
     from ckray.report import write_report
     from ckray.stages import MODELS, build_dense, build_impact, parse_stage_args
@@ -275,12 +273,8 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
         collection = load_collection(data)
         if config.split not in collection.qrels:
             raise ConfigError(f"--split {config.split!r}: {data} has qrels for {sorted(collection.qrels)}")
-        prepare_shards(PrepareConfig(data=data, workdir=str(workdir), shards=config.shards))
-        build_bm25_index(workdir)
-        if config.train_split in collection.qrels:
-            build_negatives(workdir, collection.split_queries(config.train_split),
-                            collection.qrels[config.train_split], split=config.train_split)
-        elif models:
+        prepare_collection(data, workdir, shards=config.shards, split=config.train_split, collection=collection)
+        if models and config.train_split not in collection.qrels:
             raise ConfigError(f"training needs qrels for {config.train_split!r}; {data} has {sorted(collection.qrels)}"
                               " (pass --models '' to evaluate BM25 only)")
 

@@ -16,9 +16,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ckray.errors import ConfigError
+
+# Each model's own training-loop settings (TrainConfig fields), where the job's flag is not given:
+# passed to ckray.train_job.run_training and shown in the job's --help.
+CK_TRAIN_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "max_steps": 1000, "eval_every": 200, "batch_size": 16}
+CLEAR_TRAIN_DEFAULTS: dict[str, Any] = {"lr": 2e-5, "max_steps": 500, "eval_every": 100, "batch_size": 8,
+                                        "warmup_steps": 20}
+CROSS_ENCODER_TRAIN_DEFAULTS: dict[str, Any] = {**CLEAR_TRAIN_DEFAULTS, "batch_size": 4}  # CEDR, QDS-Transformer
 
 
 # --------------------------------------------------------------------------- models: CK-QTI
@@ -32,8 +39,10 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="quadratic = the TK baseline")
     g.add_argument("--max-doc-len", type=int, default=4000, help="document word pieces (not cut at 512)")
     g.add_argument("--layers", type=int, default=2, help="Conformer blocks")
-    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints")
-    g.add_argument("--default-lr", type=float, default=1e-3, help="learning rate when --lr is not given")
+    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints (default: ck-qti; ck with "
+                   "--no-qti, tk with --attention quadratic)")
+    g.add_argument("--default-lr", type=float, default=CK_TRAIN_DEFAULTS["lr"],
+                   help="learning rate when --lr is not given")
     return p
 
 
@@ -55,7 +64,7 @@ def train_ck(args: argparse.Namespace):
                               config)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
                   mean_doc_len=stats.mean_doc_len, name=name)
-    return run_training(task, args, name, td=td, lr=args.default_lr, max_steps=1000, eval_every=200, batch_size=16)
+    return run_training(task, args, name, td=td, **{**CK_TRAIN_DEFAULTS, "lr": args.default_lr})
 
 
 # --------------------------------------------------------------------------- models: CLEAR
@@ -70,7 +79,8 @@ def add_clear_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--xi", type=float, default=0.2, help="ξ, the margin before the lexical residual")
     g.add_argument("--lambda-train", type=float, default=0.05, help="λ_train, weight of the BM25 gap in the margin")
     g.add_argument("--constant-margin", action="store_true", help="ablation: m = ξ (no lexical residual)")
-    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints")
+    g.add_argument("--name", default=None,
+                   help="checkpoint name under W/checkpoints (default: clear; clear-constant with --constant-margin)")
     return p
 
 
@@ -83,7 +93,7 @@ def train_clear(args: argparse.Namespace):
     task = CLEARTask(model_config=CLEARConfig(encoder=args.encoder, doc_max_len=args.doc_max_len),
                      loss_config=CLEARLossConfig(xi=args.xi, lambda_train=args.lambda_train,
                                                  constant_margin=args.constant_margin), name=name)
-    return run_training(task, args, name, lr=2e-5, max_steps=500, eval_every=100, batch_size=8, warmup_steps=20)
+    return run_training(task, args, name, **CLEAR_TRAIN_DEFAULTS)
 
 
 # --------------------------------------------------------------------------- models: CEDR
@@ -95,7 +105,8 @@ def add_cedr_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("model (ckray.models.cedr)")
     g.add_argument("--variant", choices=("knrm", "pacrr", "drmm", "vanilla"), default="knrm")
     g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
-    g.add_argument("--num-layers", type=int, default=None, help="use only the first L encoder layers")
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="use only the first L encoder layers (default: all of them)")
     g.add_argument("--max-length", type=int, default=512, help="tokens per (query, segment) input")
     g.add_argument("--max-segments", type=int, default=4, help="segments per long document")
     return p
@@ -109,7 +120,7 @@ def train_cedr(args: argparse.Namespace):
     config = CEDRConfig(variant=args.variant, encoder=args.encoder, num_layers=args.num_layers,
                         max_length=args.max_length, max_segments=args.max_segments)
     task = CEDRTask(model_config=config)
-    return run_training(task, args, task.name, lr=2e-5, max_steps=500, eval_every=100, batch_size=4, warmup_steps=20)
+    return run_training(task, args, task.name, **CROSS_ENCODER_TRAIN_DEFAULTS)
 
 
 # --------------------------------------------------------------------------- models: QDS-Transformer
@@ -136,24 +147,27 @@ def train_qds(args: argparse.Namespace):
     config = QDSConfig(encoder=args.encoder, max_length=args.max_length, window=args.window, pattern=args.pattern,
                        gradient_checkpointing=args.gradient_checkpointing)
     task = QDSTask(model_config=config, name=name)
-    return run_training(task, args, name, lr=2e-5, max_steps=500, eval_every=100, batch_size=4, warmup_steps=20)
+    return run_training(task, args, name, **CROSS_ENCODER_TRAIN_DEFAULTS)
 
 
 @dataclass(frozen=True)
 class ModelStage:
-    """One trainable model: its job's flags and its training function (returns a TrainResult)."""
+    """One trainable model: its job's flags, its training function (returns a TrainResult) and the
+    training-loop defaults that function uses (shown in the job's --help)."""
 
     name: str                                                          # default checkpoint name
     add_args: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
     train: Callable[[argparse.Namespace], object]
     job: str                                                           # its command-line job
+    train_defaults: dict[str, Any]
 
 
 MODELS: dict[str, ModelStage] = {
-    "ck-qti": ModelStage("ck-qti", add_ck_args, train_ck, "jobs/train_ck.py"),
-    "clear": ModelStage("clear", add_clear_args, train_clear, "jobs/train_clear.py"),
-    "cedr-knrm": ModelStage("cedr-knrm", add_cedr_args, train_cedr, "jobs/train_cedr.py"),
-    "qds": ModelStage("qds", add_qds_args, train_qds, "jobs/train_qds.py"),
+    "ck-qti": ModelStage("ck-qti", add_ck_args, train_ck, "jobs/train_ck.py", CK_TRAIN_DEFAULTS),
+    "clear": ModelStage("clear", add_clear_args, train_clear, "jobs/train_clear.py", CLEAR_TRAIN_DEFAULTS),
+    "cedr-knrm": ModelStage("cedr-knrm", add_cedr_args, train_cedr, "jobs/train_cedr.py",
+                            CROSS_ENCODER_TRAIN_DEFAULTS),
+    "qds": ModelStage("qds", add_qds_args, train_qds, "jobs/train_qds.py", CROSS_ENCODER_TRAIN_DEFAULTS),
 }
 
 
@@ -163,7 +177,8 @@ def model_parser(name: str, description: str | None = None) -> argparse.Argument
 
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    return MODELS[name].add_args(training_parser(description or f"train {name}"))
+    model = MODELS[name]
+    return model.add_args(training_parser(description or f"train {name}", model.train_defaults))
 
 
 # --------------------------------------------------------------------------- indexes: CK-QTI impact
@@ -187,18 +202,9 @@ def add_impact_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def ensure_shards(data: str, workdir: str) -> None:
-    """Shard the corpus when the work directory has no shards yet (idempotent otherwise)."""
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.data.shards import MANIFEST, read_json, shards_dir
-
-    manifest = shards_dir(workdir) / MANIFEST
-    shards = read_json(manifest)["num_shards_requested"] if manifest.exists() else PrepareConfig.shards
-    prepare_shards(PrepareConfig(data=data, workdir=workdir, shards=shards))
-
-
 def build_impact(args: argparse.Namespace) -> dict:
     """The CK-QTI impact index (W/impact/index); returns ``build_impact_index``'s summary."""
+    from ckray.data.prepare import prepare_collection
     from ckray.index.impact import ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
@@ -209,7 +215,7 @@ def build_impact(args: argparse.Namespace) -> dict:
                           batch_size=args.batch_size, token_budget=args.token_budget,
                           index_threads=args.index_threads)
     config.validate()
-    ensure_shards(args.data, args.workdir)
+    prepare_collection(args.data, args.workdir, split=None, bm25=False)  # shards, when there are none yet
     return build_impact_index(args.workdir, checkpoint, config)
 
 
@@ -257,20 +263,81 @@ def build_dense(args: argparse.Namespace) -> dict:
     return summary
 
 
-INDEXES: dict[str, tuple[Callable, Callable]] = {   # model → (add_args, build) of its index job
-    "ck-qti": (add_impact_args, build_impact),
-    "clear": (add_dense_args, build_dense),
+def print_dense_summary(summary: dict) -> None:
+    """What ``jobs/build_dense_index.py`` prints: the embedding job's summary, then λ_test if tuned."""
+    summary = dict(summary)
+    lam = summary.pop("lambda")
+    tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split") if k in summary}
+    print(f"embedding job: {summary}")
+    if lam is not None:
+        print(f"λ_test = {lam} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
+
+
+def print_json(summary: dict) -> None:
+    """Print a job's summary as one line of JSON."""
+    import json
+
+    print(json.dumps(summary, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class IndexStage:
+    """One model's index: its job's flags, the build function (returns a summary) and how the job
+    prints that summary."""
+
+    add_args: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+    build: Callable[[argparse.Namespace], dict]
+    report: Callable[[dict], None]
+
+
+INDEXES: dict[str, IndexStage] = {
+    "ck-qti": IndexStage(add_impact_args, build_impact, print_json),
+    "clear": IndexStage(add_dense_args, build_dense, print_dense_summary),
 }
 
 
-def parse_stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv`` with a stage's job parser: ``"train:<model>"`` or ``"index:<model>"``; unset
-    flags get the job's defaults."""
+# --------------------------------------------------------------------------- stages as jobs
+
+
+def stage_parser(stage: str, description: str | None = None) -> argparse.ArgumentParser:
+    """The parser of a stage's job: ``"train:<model>"`` (a :data:`MODELS` key) or ``"index:<model>"``
+    (an :data:`INDEXES` key). ``description``: the job's help text."""
     from ckray.cli import base_parser
 
     kind, _, model = stage.partition(":")
     if kind == "train":
-        return model_parser(model).parse_args(argv)
+        return model_parser(model, description)
     if kind == "index" and model in INDEXES:
-        return INDEXES[model][0](base_parser(f"{model} index")).parse_args(argv)
+        return INDEXES[model].add_args(base_parser(description or f"{model} index"))
     raise ConfigError(f"unknown stage {stage!r}")
+
+
+def parse_stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv`` with a stage's job parser (see :func:`stage_parser`); unset flags get the job's
+    defaults."""
+    return stage_parser(stage).parse_args(argv)
+
+
+def run_stage(stage: str, args: argparse.Namespace) -> Any:
+    """Run a stage on its parsed flags: a training stage returns its TrainResult (and prints one line
+    itself), an index stage prints its summary the way its job does and returns it."""
+    kind, _, model = stage.partition(":")
+    if kind == "train":
+        return MODELS[model].train(args)
+    index = INDEXES[model]
+    summary = index.build(args)
+    index.report(summary)
+    return summary
+
+
+def main_for(stage: str, description: str | None = None, argv: list[str] | None = None) -> None:
+    """The whole of a stage's job script (``jobs/train_*.py``, ``jobs/build_*_index.py``): parse
+    ``argv`` (default: the command line) with :func:`stage_parser`, then :func:`run_stage` under
+    :func:`ckray.cli.run_job` (logging, ``--address``, a CkrayError ends the job with exit code 2).
+    Exits the process."""
+    from ckray.cli import run_job
+
+    def main(args: argparse.Namespace) -> None:
+        run_stage(stage, args)  # its result is not an exit code
+
+    run_job(main, stage_parser(stage, description), argv)

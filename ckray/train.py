@@ -69,7 +69,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -333,14 +333,21 @@ _FLAGS: dict[str, str] = {  # TrainConfig field -> flag
 }
 
 
-def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the shared training flags (one per :class:`TrainConfig` field) to a job's parser."""
+def add_train_args(parser: argparse.ArgumentParser,
+                   defaults: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
+    """Add the shared training flags (one per :class:`TrainConfig` field) to a job's parser.
+
+    Every flag parses to None when not given, so the job's own choices (``config_from_args``'s
+    ``defaults``) and then :class:`TrainConfig`'s apply. ``defaults`` (TrainConfig field → value,
+    or a description such as ``"W/train"``) are the job's choices, shown in ``--help`` in place of
+    TrainConfig's."""
     group = parser.add_argument_group("training (ckray.train)")
-    defaults = TrainConfig()
+    base = TrainConfig()
+    shown = {name: getattr(base, name) for name in _FLAGS} | dict(defaults or {})
     for name, flag in _FLAGS.items():
-        default = getattr(defaults, name)
-        kwargs: dict[str, Any] = {"dest": f"train_{name}", "default": None, "type": type(default),
-                                  "help": f"(default: {default!r})"}
+        value = shown[name]
+        kwargs: dict[str, Any] = {"dest": f"train_{name}", "default": None, "type": type(getattr(base, name)),
+                                  "help": f"(default: {value if isinstance(value, str) and value else repr(value)})"}
         if name == "precision":
             kwargs["choices"] = PRECISIONS
         if name == "zero_stage":

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any, Mapping
 
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
 from ckray.train import RankerTask, TrainResult, add_train_args, config_from_args, fit
@@ -29,37 +30,28 @@ def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
-def training_parser(description: str) -> argparse.ArgumentParser:
+# where run_training puts a run: set from --workdir and the checkpoint name (shown in --help)
+RUN_LAYOUT_DEFAULTS = {"output_dir": "W/checkpoints/<name>", "storage_dir": "W/train", "run_name": "<name>"}
+
+
+def training_parser(description: str, train_defaults: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
+    """A training job's flags: common, training data, the training loop. ``train_defaults``: the
+    model's own TrainConfig choices (what its job passes to :func:`run_training`), shown in --help."""
     from ckray.cli import base_parser
 
-    return add_train_args(add_training_data_args(base_parser(description)))
-
-
-def ensure_prepared(data: str, workdir: str, split: str) -> None:
-    """Run the prepare stage (idempotent) so a training job works on a fresh work directory."""
-    from ckray.data.collections import load_collection
-    from ckray.data.examples import build_negatives
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.lexical.bm25 import build_bm25_index
-
-    from ckray.data.shards import MANIFEST, read_json, shards_dir
-
-    collection = load_collection(data)
-    manifest = shards_dir(workdir) / MANIFEST
-    shards = read_json(manifest)["num_shards_requested"] if manifest.exists() else PrepareConfig.shards
-    prepare_shards(PrepareConfig(data=data, workdir=workdir, shards=shards))
-    build_bm25_index(workdir)
-    build_negatives(workdir, collection.split_queries(split), collection.qrels[split], split=split)
+    return add_train_args(add_training_data_args(base_parser(description)),
+                          {**RUN_LAYOUT_DEFAULTS, **(train_defaults or {})})
 
 
 def training_data(args: argparse.Namespace) -> TrainingData:
     from ckray.data.collections import read_queries_and_qrels
+    from ckray.data.prepare import prepare_collection
     from ckray.errors import ConfigError
 
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if args.data_split not in qrels:
         raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")
-    ensure_prepared(args.data, args.workdir, args.data_split)
+    prepare_collection(args.data, args.workdir, split=args.data_split)  # idempotent: works on a fresh workdir
     config = TrainingDataConfig(split=args.data_split, dev_fraction=args.dev_fraction,
                                 negatives_per_positive=args.negatives_per_positive,
                                 negative_depth=args.negative_depth, dev_depth=args.dev_depth,

@@ -12,25 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
 
-from ckray.cli import base_parser, run_job  # noqa: E402
-
-
-def main(args) -> None:
-    from ckray.stages import build_dense
-
-    summary = build_dense(args)
-    lam = summary.pop("lambda")
-    tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split") if k in summary}
-    print(f"embedding job: {summary}")
-    if lam is not None:
-        print(f"λ_test = {lam} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
-
-
-def parser():
-    from ckray.stages import add_dense_args
-
-    return add_dense_args(base_parser(__doc__))
-
+from ckray.stages import main_for  # noqa: E402
 
 if __name__ == "__main__":
-    run_job(main, parser())
+    main_for("index:clear", __doc__)

@@ -14,27 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
 
-from ckray.cli import base_parser, run_job  # noqa: E402
-
-
-def build(args) -> dict:
-    """The job; returns its summary (``build_impact_index``'s)."""
-    from ckray.stages import build_impact
-
-    return build_impact(args)
-
-
-def main(args) -> None:
-    import json
-
-    print(json.dumps(build(args), sort_keys=True))
-
-
-def parser():
-    from ckray.stages import add_impact_args
-
-    return add_impact_args(base_parser(__doc__))
-
+from ckray.stages import main_for  # noqa: E402
 
 if __name__ == "__main__":
-    run_job(main, parser())
+    main_for("index:ck-qti", __doc__)

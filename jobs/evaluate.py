@@ -29,7 +29,8 @@ def main(args) -> None:
 
 def parser():
     p = base_parser(__doc__)
-    p.add_argument("--pipeline", action="append", help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm, clear+cedr-knrm")
+    p.add_argument("--pipeline", action="append",
+                   help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm, clear+cedr-knrm (default: bm25)")
     p.add_argument("--split", default="test")
     p.add_argument("--k", type=int, default=1000, help="results kept per query")
     p.add_argument("--rerank-depth", type=int, default=100, help="first-stage results a reranker rescores")

@@ -13,18 +13,14 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 def main(args) -> None:
     from ckray.data.collections import load_collection
-    from ckray.data.examples import build_negatives
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.lexical.bm25 import build_bm25_index
+    from ckray.data.prepare import prepare_collection
 
     collection = load_collection(args.data, allow_unknown=args.allow_unknown_qrels)
     print(f"collection {collection.name}: {collection.stats}")
-    manifest = prepare_shards(PrepareConfig(data=args.data, workdir=args.workdir, shards=args.shards))
-    print(f"shards: {len(manifest['shards'])}, documents: {manifest['documents']}")
-    build_bm25_index(args.workdir, threads=args.threads)
-    if not args.no_negatives and args.train_split in collection.qrels:
-        build_negatives(args.workdir, collection.split_queries(args.train_split), collection.qrels[args.train_split],
-                        split=args.train_split, depth=args.negative_depth, threads=args.threads)
+    prepared = prepare_collection(args.data, args.workdir, shards=args.shards,
+                                  split=None if args.no_negatives else args.train_split, collection=collection,
+                                  threads=args.threads, negative_depth=args.negative_depth)
+    print(f"shards: {len(prepared.manifest['shards'])}, documents: {prepared.manifest['documents']}")
 
 
 def parser():

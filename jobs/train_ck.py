@@ -11,21 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
 
-from ckray.cli import run_job  # noqa: E402
-from ckray.train_job import training_parser  # noqa: E402
-
-
-def main(args) -> None:
-    from ckray.stages import train_ck
-
-    train_ck(args)
-
-
-def parser():
-    from ckray.stages import add_ck_args
-
-    return add_ck_args(training_parser(__doc__))
-
+from ckray.stages import main_for  # noqa: E402
 
 if __name__ == "__main__":
-    run_job(main, parser())
+    main_for("train:ck-qti", __doc__)

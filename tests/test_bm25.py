@@ -5,20 +5,16 @@ import pytest
 
 from ckray.data.collections import load_collection
 from ckray.data.examples import TrainingDataConfig, build_negatives, build_training_data, negatives_path
-from ckray.data.prepare import PrepareConfig, prepare_shards
-from ckray.data.sample import generate_sample
+from ckray.data.prepare import prepare_collection
+from ckray.data.sample import sample_workdir as make_sample_workdir
 from ckray.errors import MissingArtifactError
 from ckray.eval import evaluate
-from ckray.lexical.bm25 import BM25Searcher, bm25_index_dir, build_bm25_index
+from ckray.lexical.bm25 import BM25Searcher, bm25_index_dir
 
 
 @pytest.fixture(scope="module")
 def sample_workdir(ray_session, tmp_path_factory):
-    root = tmp_path_factory.mktemp("bm25")
-    data = generate_sample(root / "data")
-    prepare_shards(PrepareConfig(data=str(data), workdir=str(root / "w"), shards=2))
-    build_bm25_index(root / "w")
-    return data, root / "w"
+    return make_sample_workdir(tmp_path_factory.mktemp("bm25"))
 
 
 def test_batch_search_equals_single_search(sample_workdir):
@@ -78,8 +74,7 @@ def test_negatives_and_training_data(sample_workdir):
 
 @pytest.mark.slow
 def test_scifact_bm25_matches_pyserini_beir_figure(ray_session, scifact_dir, tmp_path):
-    prepare_shards(PrepareConfig(data=str(scifact_dir), workdir=str(tmp_path), shards=4))
-    build_bm25_index(tmp_path)
+    prepare_collection(scifact_dir, tmp_path, shards=4, split=None)  # shards and BM25 index
     c = load_collection(scifact_dir)
     run = BM25Searcher(str(bm25_index_dir(tmp_path))).search(c.split_queries("test"), k=1000)
     metrics = evaluate(run, c.qrels["test"])

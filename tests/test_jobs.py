@@ -1,7 +1,10 @@
 """Jobs run as plain scripts (local Ray in-process) and through `ray job submit` to a local head."""
 
+import dataclasses
 import json
 import os
+import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +57,49 @@ def test_bad_flags_give_clear_errors(tmp_path):
     assert p.returncode == 2 and "unknown first stage 'nonsense'" in p.stdout
     p = run([sys.executable, "jobs/evaluate.py", "--data", str(tmp_path), "--workdir", str(tmp_path / "w")])
     assert p.returncode == 2 and "not a collection directory" in p.stdout
+
+
+STAGE_JOBS = ["train_ck", "train_clear", "train_cedr", "train_qds", "build_impact_index", "build_dense_index"]
+
+
+@pytest.mark.parametrize("job", STAGE_JOBS)
+def test_stage_job_scripts_show_their_help(job, monkeypatch, capsys):
+    """Each jobs/ wrapper runs as a script (here in-process); its help is the job's docstring and no
+    option claims a default of None."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends the repository root
+    monkeypatch.setattr(sys, "argv", [f"jobs/{job}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "jobs" / f"{job}.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert f"python jobs/{job}.py --data DIR --workdir W" in out and "(default: None)" not in out
+
+
+def test_training_help_shows_each_models_own_defaults():
+    from ckray.stages import MODELS, stage_parser
+
+    assert MODELS["clear"].train_defaults["lr"] != MODELS["ck-qti"].train_defaults["lr"]
+    for name, model in MODELS.items():
+        text = stage_parser(f"train:{name}").format_help()
+        for field, value in model.train_defaults.items():
+            flag = "--" + field.replace("_", "-")
+            assert re.search(rf"{flag} \S+\s+\(default: {re.escape(repr(value))}\)", text), (name, flag)
+        assert re.search(r"--output-dir \S+\s+\(default: W/checkpoints/<name>\)", text)
+
+
+def test_stage_job_main_exits_0_after_the_stage_and_2_on_a_ckray_error(monkeypatch, tmp_path):
+    from ckray import stages
+
+    ran = []
+    monkeypatch.setitem(stages.MODELS, "ck-qti",  # a TrainResult-like return value is not an exit code
+                        dataclasses.replace(stages.MODELS["ck-qti"], train=lambda args: ran.append(args) or object()))
+    with pytest.raises(SystemExit) as exit_:
+        stages.main_for("train:ck-qti", argv=["--data", str(tmp_path), "--workdir", str(tmp_path / "w"), "--lr", "0.5"])
+    assert exit_.value.code == 0 and ran[0].train_lr == 0.5 and ran[0].train_max_steps is None
+    with pytest.raises(SystemExit) as exit_:
+        stages.main_for("index:ck-qti", argv=["--data", str(tmp_path), "--workdir", str(tmp_path / "w"),
+                                              "--checkpoint", str(tmp_path / "no-such-ckpt")])
+    assert exit_.value.code == 2 and not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Ray Data sharding: row counts, idempotence, resume after a crash, bad input."""
+"""Ray Data sharding: row counts, idempotence, resume after a crash, bad input; the whole prepare stage."""
 
 import json
 import os
@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ckray.data.collections import load_collection
-from ckray.data.prepare import PrepareConfig, prepare_shards, split_file
+from ckray.data.examples import negatives_path
+from ckray.data.prepare import PrepareConfig, prepare_collection, prepare_shards, requested_shards, split_file
 from ckray.data.sample import generate_sample
 from ckray.data.shards import DocStore, is_done, load_corpus_table, marker_path, read_corpus_dataset, shard_paths
 from ckray.errors import CollectionError
@@ -43,6 +44,22 @@ def test_shards_sum_to_corpus_and_rerun_does_nothing(ray_session, sample, tmp_pa
     time.sleep(0.01)
     prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=3))
     assert {p: p.stat().st_mtime_ns for p in shard_paths(w)} == mtimes
+
+
+def test_prepare_collection_keeps_the_shard_count_and_runs_the_steps_asked_for(ray_session, sample, tmp_path):
+    w = tmp_path / "w"
+    assert requested_shards(w) == PrepareConfig.shards and requested_shards(w, 5) == 5
+    got = prepare_collection(sample, w, shards=3, split=None, bm25=False)  # shards only
+    assert len(got.manifest["shards"]) == 3 and got.bm25_index is None and got.negatives is None
+    assert not (w / "bm25").exists() and requested_shards(w) == 3
+    with pytest.raises(ValueError, match="BM25"):
+        prepare_collection(sample, w, split="train", bm25=False)
+    got = prepare_collection(sample, w, split="dev")  # no qrels for "dev": shards kept, BM25, no negatives
+    assert got.manifest["num_shards_requested"] == 3 and got.bm25_index.is_dir() and got.negatives is None
+    got = prepare_collection(sample, w)  # the training split's negatives
+    assert got.negatives == negatives_path(w, "train") and got.negatives.exists()
+    assert set(pq.read_table(got.negatives, columns=["query_id"]).column(0).to_pylist()) \
+        <= set(load_collection(sample).qrels["train"])
 
 
 def test_half_written_shard_is_redone_finished_ones_are_not(ray_session, sample, tmp_path):

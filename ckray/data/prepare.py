@@ -1,4 +1,5 @@
-"""Corpus sharding on Ray Data: a collection file → ``W/shards/part-NNNNN.parquet`` + manifest.
+"""Corpus sharding on Ray Data: a collection file → ``W/shards/part-NNNNN.parquet`` + manifest, and
+:func:`prepare_collection`, the whole prepare stage (shards → BM25 index → BM25 training negatives).
 
 The corpus file is cut into ``num_shards`` byte ranges on line boundaries (line numbers kept, so a
 malformed line is reported as ``file:line``). Ray Data runs one task per range; each parses and
@@ -9,9 +10,11 @@ input does nothing; a re-run after a crash redoes only shards without a valid ma
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
@@ -20,6 +23,9 @@ from ckray.data.collections import corpus_file, corpus_table, parse_corpus_lines
 from ckray.data.shards import (MANIFEST, file_sha256, is_done, mark_done, read_json, shard_name,
                                shards_dir, write_json_atomic, write_parquet_atomic)
 from ckray.errors import CollectionError
+
+if TYPE_CHECKING:
+    from ckray.data.collections import Collection
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +132,61 @@ def _check_unique_ids(out_dir: Path, shards: list[dict], cfile: Path) -> None:
             if doc_id in seen:
                 raise CollectionError(f"{cfile}: duplicate doc id {doc_id!r} (in shards {seen[doc_id]} and {s['name']})")
             seen[doc_id] = s["name"]
+
+
+@dataclass
+class PreparedCollection:
+    """What :func:`prepare_collection` made (or found up to date) under the work directory."""
+
+    manifest: dict                      # the shards' manifest (``W/shards/_manifest.json``)
+    bm25_index: Path | None = None      # ``W/bm25/index``; None when the BM25 step was not asked for
+    negatives: Path | None = None       # ``W/negatives/<split>.parquet``; None when not built
+
+
+def requested_shards(workdir: str | os.PathLike, shards: int | None = None) -> int:
+    """``shards`` if given, else the count the work directory was already sharded with (so an existing
+    work directory is reused as it is), else :attr:`PrepareConfig.shards`."""
+    if shards is not None:
+        return shards
+    manifest = shards_dir(workdir) / MANIFEST
+    return read_json(manifest)["num_shards_requested"] if manifest.exists() else PrepareConfig.shards
+
+
+def prepare_collection(data: str | os.PathLike, workdir: str | os.PathLike, shards: int | None = None,
+                       split: str | None = "train", *, bm25: bool = True, collection: Collection | None = None,
+                       threads: int = 2, negative_depth: int = 1000) -> PreparedCollection:
+    """The prepare stage, idempotent: shard the corpus of ``data`` (Ray Data), build the BM25 index
+    from the shards, and the BM25 top-``negative_depth`` training negatives of ``split``'s queries.
+
+    ``shards``: the shard count (None: keep the work directory's, see :func:`requested_shards`).
+    ``split``: the qrels split whose queries get negatives; None, or a split the collection has no
+    qrels for, skips them. ``bm25=False`` stops after the shards (``split`` must then be None).
+    ``collection``: the already loaded collection of ``data``; loaded (before any work, so a bad
+    collection fails first) only when negatives are asked for and it is not given.
+    ``threads``: Lucene indexing/search threads.
+    """
+    if split is not None and not bm25:
+        raise ValueError("BM25 negatives need the BM25 index: pass split=None with bm25=False")
+    if split is not None and collection is None:
+        from ckray.data.collections import load_collection
+
+        collection = load_collection(data)
+    workdir = str(workdir)
+    manifest = prepare_shards(PrepareConfig(data=str(data), workdir=workdir,
+                                            shards=requested_shards(workdir, shards)))
+    prepared = PreparedCollection(manifest)
+    if not bm25:
+        return prepared
+    from ckray.lexical.bm25 import build_bm25_index
+
+    prepared.bm25_index = build_bm25_index(workdir, threads=threads)
+    if split is None:
+        return prepared
+    if split not in collection.qrels:
+        log.info("no qrels for split %r (have %s): no BM25 negatives", split, sorted(collection.qrels))
+        return prepared
+    from ckray.data.examples import build_negatives
+
+    prepared.negatives = build_negatives(workdir, collection.split_queries(split), collection.qrels[split],
+                                         split=split, depth=negative_depth, threads=threads)
+    return prepared

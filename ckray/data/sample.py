@@ -92,3 +92,18 @@ def generate_sample(out_dir: str | Path, config: SampleConfig = SampleConfig()) 
             f.write("query-id\tcorpus-id\tscore\n")
             f.writelines(f"{q}\t{d}\t{r}\n" for q, d, r in rows)
     return out
+
+
+def sample_workdir(root: str | Path, shards: int = 2, bm25: bool = True,
+                   config: SampleConfig = SampleConfig()) -> tuple[Path, Path]:
+    """A small work directory over the generated sample, for tests, benchmarks and serving demos:
+    the collection in ``root/data`` (:func:`generate_sample`), its corpus in ``shards`` shards under
+    ``root/w`` and, with ``bm25``, the BM25 index (no training negatives). Idempotent.
+    Returns ``(data_dir, workdir)``."""
+    from ckray.data.prepare import prepare_collection
+
+    root = Path(root)
+    data = generate_sample(root / "data", config)
+    workdir = root / "w"
+    prepare_collection(data, workdir, shards=shards, split=None, bm25=bm25)
+    return data, workdir
