@@ -49,17 +49,12 @@ def prepare_sample(root: Path, reranker: str) -> tuple[Path, Path]:
     """Generated collection → shards, BM25 index, and a tiny random CEDR-KNRM checkpoint."""
     import torch
 
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.data.sample import generate_sample
-    from ckray.lexical.bm25 import build_bm25_index
+    from ckray.data.sample import sample_workdir
     from ckray.models.cedr import CEDRConfig, CEDRRanker
     from ckray.models.checkpoint import save_model
     from ckray.pipelines import checkpoint_dir
 
-    data = generate_sample(root / "data")
-    w = root / "w"
-    prepare_shards(PrepareConfig(data=str(data), workdir=str(w), shards=2))
-    build_bm25_index(w)
+    data, w = sample_workdir(root)
     torch.manual_seed(0)
     model = CEDRRanker(CEDRConfig(variant="knrm", random_init=TINY_BERT, max_length=128, max_query_len=16,
                                   max_segments=2))
@@ -156,6 +151,8 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=1, help="reranker threads, in Serve and in-process")
     p.add_argument("--batch-wait-ms", type=float, default=0.0)
     p.add_argument("--forward-batch-size", type=int, default=16, help="pairs per forward pass (both sides)")
+    p.add_argument("--reranker-replicas", type=int, default=1,
+                   help="reranker replicas (each with --torch-threads CPUs); 1 isolates what batching gives")
     args = p.parse_args()
 
     import ray
@@ -187,7 +184,9 @@ def main() -> None:
         "workdir": str(workdir), "default_pipeline": pipeline, "retrievers": ["bm25"], "rerankers": [args.reranker],
         "batching": {"batch_wait_timeout_s": args.batch_wait_ms / 1000, "forward_batch_size": args.forward_batch_size,
                      "torch_threads": args.torch_threads},
-        "deployments": {"ingress": one, "retriever": one, "reranker": one}}),
+        "deployments": {"ingress": one, "retriever": one,
+                        "reranker": {"num_replicas": args.reranker_replicas,
+                                     "ray_actor_options": {"num_cpus": args.torch_threads}}}}),
         name="ckray-bench", route_prefix="/", logging_config={"enable_access_log": False})
     url = f"http://127.0.0.1:{port}/search"
     body = {"k": args.k, "retrievers": ["bm25"], "reranker": args.reranker, "rerank_depth": args.rerank_depth}
@@ -222,6 +221,7 @@ def main() -> None:
         "max_length 128, 2 segments" if tmp is not None else args.reranker,
         "rerank_depth": args.rerank_depth, "k": args.k, "torch_threads": args.torch_threads,
         "batch_wait_ms": args.batch_wait_ms, "forward_batch_size": args.forward_batch_size, "cpus": os.cpu_count(),
+        "reranker_replicas": args.reranker_replicas,
         "inprocess_p50_ms": round(paired["inprocess_p50_ms"], 2),
         "http_c1_paired_p50_ms": round(paired["http_p50_ms"], 2),
         "http_over_inprocess_p50_c1": round(paired["http_p50_ms"] / paired["inprocess_p50_ms"], 3),

@@ -226,7 +226,10 @@ def add_dense_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default W/checkpoints/clear)")
     p.add_argument("--actors", type=int, default=1)
     p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
     p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
+    p.add_argument("--doc-max-len", type=int, default=None,
+                   help="encode documents at this many word pieces (default: the checkpoint's doc_max_len)")
     p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat")
     p.add_argument("--tune-split", default="train", help="qrels split whose queries tune λ_test (never test)")
     p.add_argument("--tune-queries", choices=("held-out", "all"), default="held-out",
@@ -246,7 +249,8 @@ def build_dense(args: argparse.Namespace) -> dict:
     init_ray()
     checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
     _, summary = build_dense_index(args.workdir, checkpoint,
-                                   EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16),
+                                   EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
+                                               cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len),
                                    IndexConfig(kind=args.index))
     summary = dict(summary, **{"lambda": None})
     queries, qrels = read_queries_and_qrels(Path(args.data))

@@ -272,10 +272,16 @@ def consolidate(task: RankerTask, checkpoint_dir: str | os.PathLike, output_dir:
     state = verify_checkpoint(checkpoint_dir)
     model = task.build_model()
     weights = _checkpoint_weights(checkpoint_dir, int(state.get("ds_zero_stage", state["zero_stage"])))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    hint = "it was trained with other model settings; pass --no-resume or another --run-name to train anew"
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:  # size mismatches (e.g. another --layers or --doc-max-len)
+        first = str(exc).strip().splitlines()[1:2] or [str(exc)]
+        raise ConfigError(f"checkpoint {checkpoint_dir} does not fit {type(model).__name__}: "
+                          f"{first[0].strip()}; {hint}") from exc
     if missing or unexpected:
-        raise MissingArtifactError(f"checkpoint {checkpoint_dir} does not match {type(model).__name__}: "
-                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConfigError(f"checkpoint {checkpoint_dir} does not match {type(model).__name__}: "
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}; {hint}")
     model.float().eval()
     return save_model(model, output_dir,
                       extra={METRIC: state["metric"], "step": state["step"], **(extra or {})})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckray.data.shards import marker_path, shard_name, write_json_atomic, write_parquet_atomic
-from ckray.errors import MissingArtifactError
+from ckray.errors import ConfigError, MissingArtifactError
 from ckray.index.dense import (DenseIndex, DenseRetriever, EmbedConfig, HybridConfig, HybridRetriever, IndexConfig,
                                embed_corpus, embeddings_dir, fuse, hybrid_candidates, read_embedding_shards,
                                tune_lambda, write_embedding_shard)
@@ -128,6 +128,24 @@ def test_rerun_skips_finished_shards_and_redoes_broken_ones(embedded, tiny_check
     assert sorted(ids) == sorted(d for d, _, _ in docs) and len(set(ids)) == len(ids)
     expected = _expected_embeddings(tiny_checkpoint, docs)
     np.testing.assert_allclose(x, np.stack([expected[d] for d in ids]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_doc_max_len_override_reencodes_at_that_length(tmp_path, tiny_checkpoint, ray_session):
+    docs = make_corpus(tmp_path, sizes=(12, 9), seed=2)
+    embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8), progress=False)
+    short = embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8, doc_max_len=6),
+                         progress=False)
+    assert short["shards_written"] == 2 and short["documents"] == 21   # another length: nothing reused
+    ids, x = read_embedding_shards(embeddings_dir(tmp_path))
+    model = load_model(tiny_checkpoint)
+    model.config.doc_max_len = 6
+    want = model.encode_documents([f"{t} {x}".strip() for _, t, x in docs]).numpy()
+    order = {d: i for i, (d, _, _) in enumerate(docs)}
+    np.testing.assert_allclose(x, want[[order[d] for d in ids]], atol=1e-5)
+    assert not np.allclose(x, np.stack([_expected_embeddings(tiny_checkpoint, docs)[d] for d in ids]), atol=1e-3)
+    with pytest.raises(ConfigError, match="has 128 positions"):
+        embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(doc_max_len=129), progress=False)
 
 
 @pytest.mark.slow

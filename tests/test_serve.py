@@ -127,18 +127,12 @@ def workdir(ray_session, tmp_path_factory, minilm_path):
     """A synthetic collection's shards, its BM25 index and a tiny random CEDR-KNRM checkpoint."""
     import torch
 
-    from ckray.data.prepare import PrepareConfig, prepare_shards
-    from ckray.data.sample import generate_sample
-    from ckray.lexical.bm25 import build_bm25_index
+    from ckray.data.sample import sample_workdir
     from ckray.models.cedr import CEDRConfig, CEDRRanker
     from ckray.models.checkpoint import save_model
     from ckray.pipelines import checkpoint_dir
 
-    root = tmp_path_factory.mktemp("serve")
-    data = generate_sample(root / "data")
-    w = root / "w"
-    prepare_shards(PrepareConfig(data=str(data), workdir=str(w), shards=2))
-    build_bm25_index(w)
+    data, w = sample_workdir(tmp_path_factory.mktemp("serve"))
     torch.manual_seed(0)
     model = CEDRRanker(CEDRConfig(variant="knrm", random_init=TINY_BERT, max_length=128, max_query_len=16,
                                   max_segments=2))

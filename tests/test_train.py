@@ -248,6 +248,16 @@ def test_finished_run_is_not_trained_again(trained):
 
 
 @pytest.mark.slow
+def test_finished_run_with_other_model_settings_names_the_checkpoint(trained):
+    class WiderToyTask(ToyTask):
+        def build_model(self) -> ToyRanker:
+            return ToyRanker(ToyConfig(dim=48))
+
+    with pytest.raises(ConfigError, match=r"checkpoint .*checkpoint_.* does not fit ToyRanker: .*emb.weight.*--no-resume"):
+        fit(WiderToyTask(), trained["triples"], trained["dev"], _config(trained["tmp"], max_steps=2 * STEPS))
+
+
+@pytest.mark.slow
 def test_half_written_checkpoint_gives_a_clear_error(trained, tmp_path):
     storage = tmp_path / "storage"
     shutil.copytree(trained["tmp"] / "storage", storage)

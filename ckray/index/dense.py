@@ -86,6 +86,8 @@ class EmbedConfig:
     batch_size:        rows per Ray Data batch handed to an actor; sorted by length inside the actor.
     encode_batch_size: documents per forward pass inside an actor.
     float16:           store embeddings as float16 (half the disk; the index is built in float32).
+    doc_max_len:       encode documents at this many word pieces instead of the checkpoint's
+                       ``doc_max_len`` (e.g. train at 256, index at 512); None: the checkpoint's.
     """
 
     actors: int = 1
@@ -94,9 +96,11 @@ class EmbedConfig:
     batch_size: int = 512
     encode_batch_size: int = 32
     float16: bool = False
+    doc_max_len: int | None = None
 
     def validate(self) -> None:
         for ok, msg in [(self.actors >= 1, "actors must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
+                        (self.doc_max_len is None or self.doc_max_len >= 1, "doc_max_len must be >= 1"),
                         (self.encode_batch_size >= 1, "encode_batch_size must be >= 1"),
                         (self.cpus_per_actor > 0, "cpus_per_actor must be > 0")]:
             if not ok:
@@ -106,7 +110,8 @@ class EmbedConfig:
 class DocumentEncoder:
     """Ray Data callable class: loads the model once per actor, embeds ``doc_text(title, text)``."""
 
-    def __init__(self, checkpoint: str, use_gpu: bool = False, threads: int = 0, encode_batch_size: int = 32):
+    def __init__(self, checkpoint: str, use_gpu: bool = False, threads: int = 0, encode_batch_size: int = 32,
+                 doc_max_len: int | None = None):
         import torch
 
         from ckray.models.checkpoint import load_model
@@ -115,6 +120,8 @@ class DocumentEncoder:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model = load_model(checkpoint, map_location="cpu").to(self.device).eval()
+        if doc_max_len is not None:  # checked against the encoder's positions by embed_corpus
+            self.model.config.doc_max_len = doc_max_len
         self.encode_batch_size = encode_batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -155,11 +162,14 @@ def checkpoint_digest(checkpoint: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _shard_stamp(source: Path, digest: str, float16: bool) -> dict:
+def _shard_stamp(source: Path, digest: str, config: EmbedConfig) -> dict:
     st = source.stat()
-    return {"source": source.name, "source_rows": pq.read_metadata(source).num_rows,
-            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
-            "checkpoint_sha256": digest, "dtype": "float16" if float16 else "float32"}
+    stamp = {"source": source.name, "source_rows": pq.read_metadata(source).num_rows,
+             "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
+             "checkpoint_sha256": digest, "dtype": "float16" if config.float16 else "float32"}
+    if config.doc_max_len is not None:  # only when overridden: shards made at the checkpoint's length stay valid
+        stamp["doc_max_len"] = config.doc_max_len
+    return stamp
 
 
 def embedding_table(doc_ids: Sequence[str], embeddings: np.ndarray, float16: bool = False) -> pa.Table:
@@ -192,11 +202,13 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = str(Path(checkpoint).resolve())
     digest = checkpoint_digest(checkpoint)
+    if config.doc_max_len is not None:
+        _check_doc_max_len(checkpoint, config.doc_max_len)
     sources = shard_paths(workdir)
     for stale in out_dir.glob(".part-*.tmp-*"):  # leftovers of an interrupted write
         stale.unlink(missing_ok=True)
 
-    stamps = {s.name: _shard_stamp(s, digest, config.float16) for s in sources}
+    stamps = {s.name: _shard_stamp(s, digest, config) for s in sources}
     todo = [s for s in sources if not is_done(out_dir / s.name, stamps[s.name])]
     skipped = len(sources) - len(todo)
     log.info("embedding %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources), out_dir, skipped)
@@ -233,7 +245,7 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
         DocumentEncoder,
         fn_constructor_kwargs={"checkpoint": checkpoint, "use_gpu": config.use_gpu,
                                "threads": max(1, int(config.cpus_per_actor)),
-                               "encode_batch_size": config.encode_batch_size},
+                               "encode_batch_size": config.encode_batch_size, "doc_max_len": config.doc_max_len},
         batch_size=config.batch_size, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=config.actors),
         num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
@@ -289,6 +301,16 @@ def _steady_rate(completions: list[tuple[float, int]]) -> float:
     completions = sorted(completions)
     span = completions[-1][0] - completions[0][0]
     return sum(n for _, n in completions[1:]) / span if span > 0 else 0.0
+
+
+def _check_doc_max_len(checkpoint: str, doc_max_len: int) -> None:
+    """An encoder cannot read past its position embeddings (512 for BERT and MiniLM)."""
+    from ckray.models.checkpoint import read_checkpoint_config
+
+    positions = read_checkpoint_config(checkpoint).get("config", {}).get("bert_config", {}).get(
+        "max_position_embeddings")
+    if positions is not None and doc_max_len > positions:
+        raise ConfigError(f"doc_max_len {doc_max_len}: the encoder of {checkpoint} has {positions} positions")
 
 
 def _checkpoint_dim(checkpoint: str) -> int:
