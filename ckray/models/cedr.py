@@ -35,8 +35,8 @@ the ranker head: see ``CEDRRanker.param_groups``.
 
 Training on the shared loop: ``CEDRTask`` is the ``ckray.train.RankerTask`` for ``ckray.train.fit``
 (collate = ``collate_pairs`` on the triples' ``query, pos_text, neg_text``; loss = the pairwise loss;
-score = ``score_texts``). Note: the shared loop uses one learning rate for all parameters, so the
-paper's two rates (``param_groups``) are not applied there.
+score = ``score_texts``; the two learning rates through ``CEDRTask.param_groups``: the encoder at
+the job's ``--lr``, the head ``head_lr_multiplier`` times faster).
 
 Implementation choices not fixed by the paper (all in ``CEDRConfig``): query truncated to
 ``max_query_len`` word pieces and kept in a fixed number of query slots (PACRR's dense layers need a
