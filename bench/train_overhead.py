@@ -46,8 +46,8 @@ import pyarrow as pa
 import torch
 
 from ckray.data.examples import DevSet
-from ckray.train import (RankerTask, TrainConfig, _effective_zero_stage, _param_groups, _seed_everything,
-                         fit, lr_factor)
+from ckray.train import (RankerTask, TrainConfig, _effective_zero_stage, _seed_everything,
+                         fit, lr_factor, weight_decay_groups)
 
 
 @dataclass
@@ -139,7 +139,7 @@ def plain_loop(task: BenchTask, table: pa.Table, cfg: TrainConfig) -> None:
     _seed_everything(cfg.seed)
     model = task.build_model()
     model.train()
-    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     columns = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
     for step in range(cfg.max_steps):

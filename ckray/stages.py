@@ -43,6 +43,8 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "--no-qti, tk with --attention quadratic)")
     g.add_argument("--default-lr", type=float, default=CK_TRAIN_DEFAULTS["lr"],
                    help="learning rate when --lr is not given")
+    g.add_argument("--head-lr-multiplier", type=float, default=1.0,
+                   help="train everything but the pretrained word embeddings this many times faster")
     return p
 
 
@@ -63,7 +65,7 @@ def train_ck(args: argparse.Namespace):
     stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())),
                               config)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
-                  mean_doc_len=stats.mean_doc_len, name=name)
+                  mean_doc_len=stats.mean_doc_len, name=name, head_lr_multiplier=args.head_lr_multiplier)
     return run_training(task, args, name, td=td, **{**CK_TRAIN_DEFAULTS, "lr": args.default_lr})
 
 

@@ -22,6 +22,7 @@ class CKTask(RankerTask):
     n_docs: int = 0
     mean_doc_len: float | None = None
     name: str = "ck-qti"
+    head_lr_multiplier: float = 1.0      # all but the (pretrained) word embeddings train this much faster
 
     def build_model(self) -> torch.nn.Module:
         from ckray.models.ck import CKModel
@@ -40,3 +41,16 @@ class CKTask(RankerTask):
         from ckray.models.ck import pairwise_loss
 
         return pairwise_loss(*model.pairwise_scores(batch))
+
+    def param_groups(self, model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict] | None:
+        """The pretrained word embeddings at ``lr``; the rest (Conformer blocks, kernels' MLP, the
+        explicit term's w and b, α, the ReLU bias: all randomly or hand initialised) at
+        ``head_lr_multiplier × lr``. None (one rate for all) when the multiplier is 1."""
+        if self.head_lr_multiplier == 1.0:
+            return None
+        from ckray.train import weight_decay_groups
+
+        embeddings = model.encoder.embed.weight
+        rest = [p for p in model.parameters() if p is not embeddings]
+        return (weight_decay_groups([embeddings], weight_decay, lr=lr)
+                + weight_decay_groups(rest, weight_decay, lr=lr * self.head_lr_multiplier))

@@ -69,7 +69,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -616,7 +616,8 @@ def _train_worker(loop_config: dict) -> None:
     model = task.build_model()
     if not dataclasses.is_dataclass(getattr(model, "config", None)):
         raise ConfigError(f"{type(model).__name__} needs a dataclass `config` attribute (see ckray.models.checkpoint)")
-    groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or _param_groups(model, cfg.weight_decay)
+    groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or weight_decay_groups(model.parameters(),
+                                                                                         cfg.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
@@ -862,14 +863,15 @@ def _deepspeed_config(cfg: TrainConfig, world: int) -> dict:
     }
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay matrices and embeddings, not biases and norm/scale vectors."""
+def weight_decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, **extra: Any) -> list[dict]:
+    """AdamW groups: decay matrices and embeddings, not biases and norm/scale vectors; ``extra``
+    (e.g. ``lr=``) goes into both groups."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay, **extra},
+                        {"params": no_decay, "weight_decay": 0.0, **extra}) if g["params"]]
 
 
 def _autocast(precision: str, device: torch.device) -> Any:

@@ -364,3 +364,19 @@ def test_word_embeddings_start_from_minilm(minilm_path):
 def test_rbf_kernels_shared_module_unchanged():
     k = RBFKernels()
     assert k.n_kernels == 11 and k.mus[0].item() == 1.0
+
+
+def test_head_learning_rate_multiplier_leaves_the_word_embeddings_at_the_base_rate():
+    from ckray.tasks import CKTask
+
+    model = _model()
+    assert CKTask(config=model.config).param_groups(model, 1e-3, 0.01) is None   # one rate by default
+    groups = CKTask(config=model.config, head_lr_multiplier=10.0).param_groups(model, 1e-3, 0.01)
+    embeddings = model.encoder.embed.weight
+    by_param = {id(p): g for g in groups for p in g["params"]}
+    assert len(by_param) == sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    assert by_param[id(embeddings)]["lr"] == 1e-3 and by_param[id(embeddings)]["weight_decay"] == 0.01
+    assert by_param[id(model.alpha_logit)]["lr"] == pytest.approx(1e-2)
+    assert by_param[id(model.alpha_logit)]["weight_decay"] == 0.0          # scalars are not decayed
+    assert by_param[id(model.window_mlp[0].weight)] is by_param[id(model.window_mlp[2].weight)]
+    assert by_param[id(model.window_mlp[0].weight)]["lr"] == pytest.approx(1e-2)
