@@ -5,7 +5,7 @@ BM25, one-at-a-time query latency vs BM25, and MiniLM encoding throughput on the
 
 Targets: query latency ≤ 1.5× BM25, index ≤ 3× the BM25 index, building throughput ≥ MiniLM encoding
 throughput (both steady state on the same CPUs: 2 actors × 1 thread vs MiniLM with 2 threads).
-The checkpoint defaults to /tmp/w1/checkpoints/ck-qti when it exists, else an untrained
+``--checkpoint`` is a trained CK-QTI (``W/checkpoints/ck-qti``); without it, an untrained
 CKModel(CKConfig()) with the corpus IDF (costs are the same; effectiveness is not measured here).
 ``--max-docs`` indexes the first N documents only (BM25 is built on the same N), so the whole run
 fits in a few minutes on a small machine. Ends with one JSON line of its figures.
@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckray.cli import setup_logging  # noqa: E402
 
-TRAINED = Path("/tmp/w1/checkpoints/ck-qti")
 
 
 def subset_collection(data: Path, out: Path, max_docs: int | None) -> Path:
@@ -46,11 +45,10 @@ def subset_collection(data: Path, out: Path, max_docs: int | None) -> Path:
 
 
 def checkpoint_for(arg: str | None, workdir: Path, texts: list[str]) -> tuple[Path, str]:
-    """The given checkpoint, the coordinator's trained one, or an untrained CK-QTI with corpus IDF."""
+    """The given checkpoint (e.g. W/checkpoints/ck-qti of a training job), else an untrained CK-QTI
+    with the corpus IDF."""
     if arg:
         return Path(arg), "given"
-    if (TRAINED / "config.json").exists():
-        return TRAINED, "trained"
     from ckray.models.checkpoint import save_model
     from ckray.models.ck import CKConfig, CKModel
 
