@@ -38,7 +38,8 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
                        train_split: str = "train"):
     """Tune w of a ``first+reranker`` pipeline on the dev split of the *training* queries (the ones the
     reranker validated on, never test queries) and save it to ``W/fusion`` (``ckray.fusion``)."""
-    from ckray.fusion import checkpoint_stamp, dev_queries, save_interpolation, tune_weight
+    from ckray.fusion import dev_queries, save_interpolation, tune_weight
+    from ckray.models.checkpoint import checkpoint_digest
     from ckray.pipelines import build_pipeline, checkpoint_dir, parse_pipeline
 
     first, reranker = parse_pipeline(pipeline)
@@ -51,7 +52,7 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     first_run = pipe.retriever.search(dev_q, k=rerank_depth)
     reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
     config = tune_weight(first_run, reranked, dev_qrels, rerank_depth)
-    config.checkpoint_stamp = checkpoint_stamp(checkpoint_dir(workdir, reranker))
+    config.checkpoint_stamp = checkpoint_digest(checkpoint_dir(workdir, reranker))
     save_interpolation(workdir, first, reranker, config)
     return config
 
@@ -59,13 +60,14 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
 def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int):
     """The tuned weight of a ``first+reranker`` pipeline: the saved one when it was tuned at this depth
     for this checkpoint, otherwise tuned again (``tune_interpolation``)."""
-    from ckray.fusion import checkpoint_stamp, fusion_path, load_interpolation
+    from ckray.fusion import fusion_path, load_interpolation
+    from ckray.models.checkpoint import checkpoint_digest
     from ckray.pipelines import checkpoint_dir, parse_pipeline
 
     first, reranker = parse_pipeline(pipeline)
     tuned = load_interpolation(workdir, first, reranker) if fusion_path(workdir, first, reranker).exists() else None
     if (tuned is None or tuned.depth != rerank_depth
-            or tuned.checkpoint_stamp != checkpoint_stamp(checkpoint_dir(workdir, reranker))):
+            or tuned.checkpoint_stamp != checkpoint_digest(checkpoint_dir(workdir, reranker))):
         tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth)
     return tuned
 

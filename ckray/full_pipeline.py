@@ -132,7 +132,7 @@ def evaluation_stamp(workdir: str | Path, pipeline: str, split: str, queries: di
     the first stage's index metadata, the reranker checkpoint's content hash and, for
     ``first+reranker``, the tuned interpolation weight."""
     from ckray.fusion import fusion_path
-    from ckray.index.impact import checkpoint_digest
+    from ckray.models.checkpoint import checkpoint_digest
     from ckray.pipelines import checkpoint_dir, is_interpolated, parse_pipeline
 
     def sha(obj) -> str:

@@ -40,22 +40,9 @@ class InterpolationConfig:
     depth: int
     dev_queries: int = 0
     table: dict = field(default_factory=dict)
-    checkpoint_stamp: str = ""     # which reranker checkpoint it was tuned for (see ``checkpoint_stamp``)
+    checkpoint_stamp: str = ""     # which reranker checkpoint it was tuned for (``ckray.models.checkpoint.checkpoint_digest``)
 
 
-def checkpoint_stamp(path: str | os.PathLike) -> str:
-    """A content hash of a checkpoint's config and weights: a retrained reranker changes it, so a
-    weight tuned for the old one is not reused (re-running a finished training does not)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for file in sorted(p for p in Path(path).iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")
-                       and p.name != "train_summary.json"):
-        digest.update(file.name.encode())
-        with file.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
 
 
 def _zscores(scores: Sequence[float]) -> list[float]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckray.errors import ConfigError
+from ckray.errors import ConfigError, MissingArtifactError
 from ckray.models.checkpoint import load_model, save_model
 from ckray.models.ck import (CKCollator, CKConfig, CKModel, QuadraticSelfAttention, SeparableSelfAttention,
                              WindowedConv, pairwise_loss, small_config, tk_config)
@@ -380,3 +380,18 @@ def test_head_learning_rate_multiplier_leaves_the_word_embeddings_at_the_base_ra
     assert by_param[id(model.alpha_logit)]["weight_decay"] == 0.0          # scalars are not decayed
     assert by_param[id(model.window_mlp[0].weight)] is by_param[id(model.window_mlp[2].weight)]
     assert by_param[id(model.window_mlp[0].weight)]["lr"] == pytest.approx(1e-2)
+
+
+def test_checkpoint_digest_follows_the_model_not_the_training_summary(tmp_path):
+    from ckray.models.checkpoint import checkpoint_digest
+
+    path = save_model(_model(), tmp_path / "ck")
+    digest = checkpoint_digest(path)
+    (path / "train_summary.json").write_text('{"wall_time_s": 1.0}')   # a re-run rewrites only this
+    assert checkpoint_digest(path) == digest
+    assert checkpoint_digest(save_model(_model(seed=1), tmp_path / "other")) != digest
+    (path / "model.safetensors").unlink()
+    with pytest.raises(MissingArtifactError, match="has no model.safetensors"):
+        checkpoint_digest(path)
+    with pytest.raises(MissingArtifactError, match="no checkpoint at .*nowhere"):
+        checkpoint_digest(tmp_path / "nowhere")

@@ -29,7 +29,6 @@ grid search on nDCG@10 over training queries (:func:`tune_lambda`), never by han
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -148,18 +147,6 @@ class DocumentEncoder:
         return out
 
 
-def checkpoint_digest(checkpoint: str | os.PathLike) -> str:
-    """sha256 over the checkpoint's files: embeddings made by another model are never reused."""
-    h = hashlib.sha256()
-    files = sorted(p for p in Path(checkpoint).iterdir() if p.is_file()) if Path(checkpoint).is_dir() else []
-    if not files:
-        raise MissingArtifactError(f"no checkpoint at {checkpoint}: train one with jobs/train_clear.py")
-    for p in files:
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-    return h.hexdigest()
 
 
 def _shard_stamp(source: Path, digest: str, config: EmbedConfig) -> dict:
@@ -201,6 +188,8 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
     out_dir = Path(out_dir) if out_dir is not None else embeddings_dir(workdir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = str(Path(checkpoint).resolve())
+    from ckray.models.checkpoint import checkpoint_digest
+
     digest = checkpoint_digest(checkpoint)
     if config.doc_max_len is not None:
         _check_doc_max_len(checkpoint, config.doc_max_len)
@@ -556,6 +545,8 @@ def _want_gpu(use_gpu: bool | None) -> bool:
 def build_dense_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
                       embed: EmbedConfig | None = None, index: IndexConfig | None = None) -> tuple[DenseIndex, dict]:
     """Embedding job + index build + save to ``W/dense/index``; returns the index and the job summary."""
+    from ckray.models.checkpoint import checkpoint_digest
+
     checkpoint = Path(checkpoint) if checkpoint is not None else default_checkpoint(workdir)
     summary = embed_corpus(workdir, checkpoint, embed)
     dense = DenseIndex.from_shards(embeddings_dir(workdir), index,

@@ -379,18 +379,6 @@ class ImpactScorer:
 # Impact shards
 # =============================================================================================
 
-def checkpoint_digest(checkpoint: str | os.PathLike) -> str:
-    """sha256 over the checkpoint's files (name + content): shards made by another model are redone."""
-    from ckray.models.checkpoint import read_checkpoint_config
-
-    read_checkpoint_config(checkpoint)  # MissingArtifactError naming the path when absent
-    h = hashlib.sha256()
-    for p in sorted(p for p in Path(checkpoint).iterdir() if p.is_file()):
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-    return h.hexdigest()
 
 
 def _check_checkpoint(checkpoint: str | os.PathLike) -> dict:
@@ -488,6 +476,8 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
     config.validate()
     checkpoint = str(Path(checkpoint).resolve())
     _check_checkpoint(checkpoint)
+    from ckray.models.checkpoint import checkpoint_digest
+
     digest = checkpoint_digest(checkpoint)
     manifest = read_manifest(workdir)
     out_dir = impact_shards_dir(workdir)
@@ -686,6 +676,7 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
     """The whole job: impact shards (Ray), the exactly-once check, JSON lines, the Lucene impact index
     with its metadata. Each step is skipped when its output is up to date. Returns a summary."""
     from ckray.lexical.bm25 import index_json_collection
+    from ckray.models.checkpoint import checkpoint_digest
 
     config = config or ImpactConfig()
     config.validate()

@@ -11,6 +11,7 @@ A model is saveable when it has a dataclass ``config`` attribute and ``__init__(
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -75,6 +76,23 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict:
         raise MissingArtifactError(
             f"no checkpoint at {path}: {CONFIG_FILE} is missing (train one with jobs/train_*.py)")
     return json.loads(cfg.read_text())
+
+
+def checkpoint_digest(path: str | os.PathLike) -> str:
+    """sha256 over a checkpoint's config and weights (names and bytes): what an index, a tuned weight
+    or a stamp made with this model records, so work done with another model is redone. Not
+    ``train_summary.json``, which re-running a finished training rewrites with the same model."""
+    read_checkpoint_config(path)  # MissingArtifactError naming the path when there is no checkpoint
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        file = Path(path) / name
+        if not file.exists():
+            raise MissingArtifactError(f"checkpoint {path} has no {name}; it is half-written, re-train")
+        h.update(name.encode())
+        with open(file, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
 
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> torch.nn.Module:
