@@ -136,7 +136,7 @@ def test_full_pipeline_trains_indexes_evaluates_and_reruns_without_training(ray_
     assert _report_table((w / "report.md").read_text()) == table
     # a changed checkpoint: only the pipelines that rerank with it are evaluated again (the impact
     # index's own stamp names the checkpoint it was built from, and that index did not change)
-    touched = w / "checkpoints" / "ck-qti" / "train_summary.json"
+    touched = w / "checkpoints" / "ck-qti" / "config.json"   # the model itself, not train_summary.json
     touched.write_text(touched.read_text() + "\n")
     results, evaluated = evaluate_or_reuse(str(data), w, ALL_PIPELINES, "test", rerank_depth=5)
     assert evaluated == pair and results == first["results"]
