@@ -183,6 +183,17 @@ def model_parser(name: str, description: str | None = None) -> argparse.Argument
     return model.add_args(training_parser(description or f"train {name}", model.train_defaults))
 
 
+# --------------------------------------------------------------------------- indexes
+
+
+def add_actor_pool_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The Ray Data actor pool of an index job (impact scoring, dense embedding)."""
+    p.add_argument("--actors", type=int, default=1, help="actor pool size (one model copy each)")
+    p.add_argument("--use-gpu", action="store_true", help="one GPU per actor")
+    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
+    return p
+
+
 # --------------------------------------------------------------------------- indexes: CK-QTI impact
 
 
@@ -195,9 +206,7 @@ def add_impact_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="how expansion candidates are chosen (window: cheap; position: GPU)")
     p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
     p.add_argument("--scale", type=float, default=None, help="fixed quantisation scale (overrides --quant-max)")
-    p.add_argument("--actors", type=int, default=1, help="actor pool size (one model copy each)")
-    p.add_argument("--use-gpu", action="store_true", help="one GPU per actor")
-    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
+    add_actor_pool_args(p)
     p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
     p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
     p.add_argument("--index-threads", type=int, default=2, help="Lucene indexing threads")
@@ -226,9 +235,7 @@ def build_impact(args: argparse.Namespace) -> dict:
 
 def add_dense_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default W/checkpoints/clear)")
-    p.add_argument("--actors", type=int, default=1)
-    p.add_argument("--use-gpu", action="store_true")
-    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
+    add_actor_pool_args(p)
     p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
     p.add_argument("--doc-max-len", type=int, default=None,
                    help="encode documents at this many word pieces (default: the checkpoint's doc_max_len)")

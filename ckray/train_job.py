@@ -81,8 +81,8 @@ def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: Trai
     }
     if previous is not None and result.steps == result.start_step and not result.attempts \
             and json.loads(previous).get("steps") == result.steps:
-        # the run was finished, nothing trained: keep the summary of the call that trained it, so the
-        # checkpoint directory stays byte-identical (index builds stamp a hash of all its files)
+        # the run was finished, nothing trained: keep the summary of the call that trained it (its
+        # wall time and history), not one of a call that only consolidated the checkpoint again
         summary_path.write_bytes(previous)
     else:
         summary_path.write_text(json.dumps(summary, indent=2, default=str))
