@@ -123,6 +123,9 @@ class TrainConfig:
     # extra Ray resources each worker asks for, e.g. {"ckray_train": 1}: only nodes that advertise them
     # (cluster.yaml's training node type) take the workers, and the autoscaler launches such nodes
     resources_per_worker: dict[str, float] = field(default_factory=dict)
+    # start from these weights (a W/checkpoints/<name> directory of the same model) instead of the
+    # model's own initialisation: fine-tuning a trained checkpoint further with other data or settings
+    init_from: str = ""
 
     def validate(self) -> None:
         checks = [
@@ -213,6 +216,8 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
         if triples.num_rows < config.workers * config.batch_size:
             raise ConfigError(f"{triples.num_rows} training triples are fewer than workers x batch_size "
                               f"= {config.workers * config.batch_size}")
+    if config.init_from:
+        _initial_weights(task, config.init_from)  # a missing or unfitting checkpoint fails here, not in a worker
     _ensure_ray()
     dataset = _as_dataset(triples)
     run_name = config.run_name or task.name
@@ -287,6 +292,33 @@ def consolidate(task: RankerTask, checkpoint_dir: str | os.PathLike, output_dir:
                       extra={METRIC: state["metric"], "step": state["step"], **(extra or {})})
 
 
+def _initial_weights(task: RankerTask, path: str, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The weights of the saved checkpoint at ``path`` (``--init-from``), checked against ``task``'s
+    model: same class, every tensor present with the same shape. Errors name the checkpoint."""
+    from safetensors.torch import load_file
+
+    from ckray.models.checkpoint import WEIGHTS_FILE, class_path, read_checkpoint_config
+
+    model = model if model is not None else task.build_model()
+    payload = read_checkpoint_config(path)  # MissingArtifactError naming the path
+    if payload.get("model_class") != class_path(model):
+        raise ConfigError(f"--init-from {path}: it holds a {payload.get('model_class')}, "
+                          f"this job trains a {class_path(model)}")
+    weights_file = Path(path) / WEIGHTS_FILE
+    if not weights_file.exists():
+        raise MissingArtifactError(f"--init-from {path}: no {WEIGHTS_FILE} (half-written checkpoint?)")
+    weights = load_file(str(weights_file))
+    own = model.state_dict()
+    missing = sorted(set(own) - set(weights) - set(getattr(model, "_non_persistent_ok", ())))
+    misfit = [k for k in own if k in weights and weights[k].shape != own[k].shape]
+    if missing or misfit:
+        detail = (f"missing {missing[:3]}" if missing else
+                  f"{misfit[0]} is {tuple(weights[misfit[0]].shape)} there, {tuple(own[misfit[0]].shape)} here")
+        raise ConfigError(f"--init-from {path} does not fit the model these flags build: {detail} "
+                          f"(pass the model flags it was trained with)")
+    return {k: v for k, v in weights.items() if k in own}
+
+
 def verify_checkpoint(path: str | os.PathLike, filesystem: Any = None) -> dict:
     """Read a training checkpoint's state and check every file it lists is there, whole.
 
@@ -336,6 +368,7 @@ _FLAGS: dict[str, str] = {  # TrainConfig field -> flag
     "grad_clip": "--grad-clip", "output_dir": "--output-dir", "storage_dir": "--storage-dir",
     "run_name": "--run-name", "log_every": "--log-every", "keep_checkpoints": "--keep-checkpoints",
     "eval_batch_size": "--eval-batch-size", "cpus_per_worker": "--cpus-per-worker",
+    "init_from": "--init-from",
 }
 
 
@@ -358,6 +391,10 @@ def add_train_args(parser: argparse.ArgumentParser,
             kwargs["choices"] = PRECISIONS
         if name == "zero_stage":
             kwargs["choices"] = (0, 1, 2, 3)
+        if name == "init_from":
+            kwargs.update(metavar="CKPT", help="start from this saved checkpoint's weights (a W/checkpoints/<name> "
+                                               "directory of the same model) to fine-tune it further "
+                                               "(default: the model's own initialisation)")
         group.add_argument(flag, **kwargs)
     group.add_argument("--resources-per-worker", dest="train_resources_per_worker", type=parse_resources,
                        default=None, metavar="JSON|K=V[,K=V]",
@@ -614,6 +651,8 @@ def _train_worker(loop_config: dict) -> None:
         torch.cuda.set_device(ray.train.torch.get_device())
     _seed_everything(cfg.seed)
     model = task.build_model()
+    if cfg.init_from:  # a resumed run's own state replaces these below
+        model.load_state_dict(_initial_weights(task, cfg.init_from, model), strict=False)
     if not dataclasses.is_dataclass(getattr(model, "config", None)):
         raise ConfigError(f"{type(model).__name__} needs a dataclass `config` attribute (see ckray.models.checkpoint)")
     groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or weight_decay_groups(model.parameters(),

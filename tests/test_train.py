@@ -258,6 +258,34 @@ def test_finished_run_with_other_model_settings_names_the_checkpoint(trained):
 
 
 @pytest.mark.slow
+def test_init_from_starts_a_new_run_at_the_saved_weights(trained, tmp_path):
+    first = trained["first"]
+    tuned = fit(ToyTask(), trained["triples"], trained["dev"],
+                _config(tmp_path, workers=1, max_steps=5, eval_every=5, init_from=str(trained["first_out"])))
+    assert tuned.start_step == 0 and tuned.steps == 5
+    # step 0 (before any update) is the saved model: its dev score, not the untrained one's
+    assert tuned.history[0]["step"] == 0
+    assert tuned.history[0][METRIC] == pytest.approx(first.best_metric, abs=1e-9)
+    assert first.history[0][METRIC] < first.best_metric - 0.25
+
+
+def test_init_from_a_missing_or_unfitting_checkpoint_is_refused_before_training(tmp_path):
+    from ckray.models.checkpoint import save_model
+
+    class WiderToyTask(ToyTask):
+        def build_model(self) -> ToyRanker:
+            return ToyRanker(ToyConfig(dim=48))
+
+    triples, dev = make_triples(40), make_dev(2, 3)
+    with pytest.raises(MissingArtifactError, match=f"no checkpoint at {tmp_path / 'nowhere'}"):
+        fit(ToyTask(), triples, dev, _config(tmp_path, init_from=str(tmp_path / "nowhere")))
+    save_model(ToyRanker(ToyConfig()), tmp_path / "toy")
+    with pytest.raises(ConfigError, match=r"--init-from .*toy does not fit.*emb.weight is \(2048, 32\) there, "
+                                          r"\(2048, 48\) here"):
+        fit(WiderToyTask(), triples, dev, _config(tmp_path, init_from=str(tmp_path / "toy")))
+
+
+@pytest.mark.slow
 def test_half_written_checkpoint_gives_a_clear_error(trained, tmp_path):
     storage = tmp_path / "storage"
     shutil.copytree(trained["tmp"] / "storage", storage)

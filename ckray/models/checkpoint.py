@@ -29,7 +29,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def _class_path(obj: Any) -> str:
+def class_path(obj: Any) -> str:
+    """``module.QualName`` of ``obj``'s class, as ``config.json`` records it."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
@@ -44,8 +45,8 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, extra: dict | No
     path.parent.mkdir(parents=True, exist_ok=True)
     config = model.config
     payload = {
-        "model_class": _class_path(model),
-        "config_class": _class_path(config),
+        "model_class": class_path(model),
+        "config_class": class_path(config),
         "config": dataclasses.asdict(config),
         **(extra or {}),
     }
