@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,13 +36,22 @@ def metrics_path(workdir, pipeline: str, split: str) -> Path:
     return Path(workdir) / "metrics" / f"{pipeline}-{split}.json"
 
 
+def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str) -> dict[str, str]:
+    """What a tuned ``first+reranker`` weight depends on besides the depth: the reranker checkpoint
+    (``checkpoint_digest``) and the first stage's index (``first_stage_digest``)."""
+    from ckray.models.checkpoint import checkpoint_digest
+    from ckray.pipelines import checkpoint_dir, first_stage_digest
+
+    return {"checkpoint_stamp": checkpoint_digest(checkpoint_dir(workdir, reranker)),
+            "first_stage_stamp": first_stage_digest(workdir, first)}
+
+
 def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
                        train_split: str = "train"):
     """Tune w of a ``first+reranker`` pipeline on the dev split of the *training* queries (the ones the
     reranker validated on, never test queries) and save it to ``W/fusion`` (``ckray.fusion``)."""
     from ckray.fusion import dev_queries, save_interpolation, tune_weight
-    from ckray.models.checkpoint import checkpoint_digest
-    from ckray.pipelines import build_pipeline, checkpoint_dir, parse_pipeline
+    from ckray.pipelines import build_pipeline, parse_pipeline
 
     first, reranker = parse_pipeline(pipeline)
     dev_q, dev_qrels = dev_queries(queries, qrels, split=train_split)
@@ -51,23 +62,23 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     pipe = build_pipeline(f"{first}>{reranker}", workdir, rerank_depth=rerank_depth)
     first_run = pipe.retriever.search(dev_q, k=rerank_depth)
     reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
-    config = tune_weight(first_run, reranked, dev_qrels, rerank_depth)
-    config.checkpoint_stamp = checkpoint_digest(checkpoint_dir(workdir, reranker))
+    config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth),
+                                 **interpolation_stamps(workdir, first, reranker))
     save_interpolation(workdir, first, reranker, config)
     return config
 
 
 def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int):
     """The tuned weight of a ``first+reranker`` pipeline: the saved one when it was tuned at this depth
-    for this checkpoint, otherwise tuned again (``tune_interpolation``)."""
+    for this checkpoint on this first-stage index, otherwise tuned again (``tune_interpolation``)."""
     from ckray.fusion import fusion_path, load_interpolation
-    from ckray.models.checkpoint import checkpoint_digest
-    from ckray.pipelines import checkpoint_dir, parse_pipeline
+    from ckray.pipelines import parse_pipeline
 
     first, reranker = parse_pipeline(pipeline)
     tuned = load_interpolation(workdir, first, reranker) if fusion_path(workdir, first, reranker).exists() else None
+    stamps = interpolation_stamps(workdir, first, reranker)
     if (tuned is None or tuned.depth != rerank_depth
-            or tuned.checkpoint_stamp != checkpoint_digest(checkpoint_dir(workdir, reranker))):
+            or any(getattr(tuned, field) != stamp for field, stamp in stamps.items())):
         tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth)
     return tuned
 

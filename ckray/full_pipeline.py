@@ -113,19 +113,6 @@ def available_pipelines(workdir: str | Path, interpolated: bool = True) -> list[
     return names
 
 
-def _first_stage_files(workdir: Path, first: str) -> list[Path]:
-    """The small files that identify a first stage's index (each names the shards/checkpoint it came from)."""
-    from ckray.index.dense import HYBRID_FILE, META_FILE as DENSE_META, index_dir
-    from ckray.index.impact import META_FILE as IMPACT_META, impact_index_dir
-    from ckray.lexical.bm25 import META as BM25_META, bm25_index_dir
-
-    return {"bm25": [bm25_index_dir(workdir) / BM25_META],
-            "ck-qti": [impact_index_dir(workdir) / IMPACT_META],
-            "clear-dense": [index_dir(workdir) / DENSE_META],
-            "clear": [index_dir(workdir) / DENSE_META, index_dir(workdir).parent / HYBRID_FILE,
-                      bm25_index_dir(workdir) / BM25_META]}[first]
-
-
 def evaluation_stamp(workdir: str | Path, pipeline: str, split: str, queries: dict, qrels: dict,
                      config: "EvaluateConfig") -> dict:
     """What a pipeline's figures depend on: the evaluated queries and qrels, k, rerank depth, measures,
@@ -133,27 +120,19 @@ def evaluation_stamp(workdir: str | Path, pipeline: str, split: str, queries: di
     ``first+reranker``, the tuned interpolation weight."""
     from ckray.fusion import fusion_path
     from ckray.models.checkpoint import checkpoint_digest
-    from ckray.pipelines import checkpoint_dir, is_interpolated, parse_pipeline
+    from ckray.pipelines import artifact_content, checkpoint_dir, first_stage_fingerprint, is_interpolated, parse_pipeline
 
     def sha(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-    def content(f: Path):
-        if not f.exists():
-            return None
-        obj = json.loads(f.read_text())
-        if isinstance(obj, dict):
-            obj.pop("tuned", None)  # hybrid.json: the λ grid's scores are a record, not an input
-        return obj
 
     workdir = Path(workdir)
     first, reranker = parse_pipeline(pipeline)
     return {
         "pipeline": pipeline, "split": split, "k": config.k, "rerank_depth": config.rerank_depth,
         "measures": list(config.measures), "queries_qrels_sha256": sha([queries, qrels]),
-        "first_stage": {str(f.relative_to(workdir)): content(f) for f in _first_stage_files(workdir, first)},
+        "first_stage": first_stage_fingerprint(workdir, first),
         "reranker_sha256": checkpoint_digest(checkpoint_dir(workdir, reranker)) if reranker else None,
-        "interpolation": content(fusion_path(workdir, first, reranker)) if is_interpolated(pipeline) else None,
+        "interpolation": artifact_content(fusion_path(workdir, first, reranker)) if is_interpolated(pipeline) else None,
     }
 
 

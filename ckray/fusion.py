@@ -41,6 +41,7 @@ class InterpolationConfig:
     dev_queries: int = 0
     table: dict = field(default_factory=dict)
     checkpoint_stamp: str = ""     # which reranker checkpoint it was tuned for (``ckray.models.checkpoint.checkpoint_digest``)
+    first_stage_stamp: str = ""    # which first-stage index it was tuned on (``ckray.pipelines.first_stage_digest``)
 
 
 

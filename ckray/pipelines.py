@@ -11,6 +11,7 @@ trained checkpoint ``W/checkpoints/<name>`` whose model has ``score_texts(querie
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import time
@@ -83,6 +84,46 @@ def is_interpolated(name: str) -> bool:
 
 def checkpoint_dir(workdir: str | os.PathLike, reranker: str) -> Path:
     return Path(workdir) / "checkpoints" / RERANKERS[reranker]
+
+
+def first_stage_files(workdir: str | os.PathLike, first: str) -> list[Path]:
+    """The small files that identify a first stage's index (each names the shards/checkpoint it came from)."""
+    from ckray.index.dense import HYBRID_FILE, META_FILE as DENSE_META, index_dir
+    from ckray.index.impact import META_FILE as IMPACT_META, impact_index_dir
+    from ckray.lexical.bm25 import META as BM25_META, bm25_index_dir
+
+    workdir = Path(workdir)
+    return {"bm25": [bm25_index_dir(workdir) / BM25_META],
+            "ck-qti": [impact_index_dir(workdir) / IMPACT_META],
+            "clear-dense": [index_dir(workdir) / DENSE_META],
+            "clear": [index_dir(workdir) / DENSE_META, index_dir(workdir).parent / HYBRID_FILE,
+                      bm25_index_dir(workdir) / BM25_META]}[first]
+
+
+def artifact_content(path: Path):
+    """A JSON artifact as a stamp records it (None when absent); hybrid.json's ``tuned`` (the λ grid's
+    dev scores) is dropped: a record of how λ was chosen, not an input of the results."""
+    if not path.exists():
+        return None
+    obj = json.loads(path.read_text())
+    if isinstance(obj, dict):
+        obj.pop("tuned", None)
+    return obj
+
+
+def first_stage_fingerprint(workdir: str | os.PathLike, first: str) -> dict:
+    """``{file relative to W: content}`` of :func:`first_stage_files`: changes when the first stage's
+    index is rebuilt from other shards or another checkpoint, or its λ is re-tuned."""
+    workdir = Path(workdir)
+    return {str(f.relative_to(workdir)): artifact_content(f) for f in first_stage_files(workdir, first)}
+
+
+def first_stage_digest(workdir: str | os.PathLike, first: str) -> str:
+    """sha256 of :func:`first_stage_fingerprint`: what a weight tuned on this first stage records."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(first_stage_fingerprint(workdir, first), sort_keys=True,
+                                     default=str).encode()).hexdigest()
 
 
 def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker:

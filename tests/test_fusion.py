@@ -1,6 +1,10 @@
 """Reranker + first-stage interpolation (ckray.fusion) and the ``first+reranker`` pipeline names."""
 
+import json
+from dataclasses import dataclass
+
 import pytest
+import torch
 
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import (InterpolationConfig, interpolate, load_interpolation, save_interpolation,
@@ -70,3 +74,52 @@ def test_pipeline_names_with_plus():
         parse_pipeline("bm25+")
     with pytest.raises(ConfigError, match="unknown reranker"):
         parse_pipeline("bm25+nope")
+
+
+@dataclass
+class _TinyConfig:
+    dim: int = 3
+
+
+class _TinyModel(torch.nn.Module):
+    def __init__(self, config: _TinyConfig):
+        super().__init__()
+        self.config = config
+        self.linear = torch.nn.Linear(config.dim, 1)
+
+
+def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_changes(tmp_path, monkeypatch):
+    import ckray.evaluate
+    from ckray.lexical.bm25 import META, bm25_index_dir
+    from ckray.models.checkpoint import save_model
+    from ckray.pipelines import checkpoint_dir
+
+    save_model(_TinyModel(_TinyConfig()), checkpoint_dir(tmp_path, "cedr-knrm"))
+    bm25_meta = bm25_index_dir(tmp_path) / META
+    bm25_meta.parent.mkdir(parents=True)
+    bm25_meta.write_text(json.dumps({"shards": "first build"}))
+    tunings = []
+
+    def tune(workdir, pipeline, queries, qrels, depth):  # the real one reranks the dev queries
+        tunings.append(depth)
+        config = InterpolationConfig(weight=0.5, depth=depth,
+                                     **ckray.evaluate.interpolation_stamps(workdir, "bm25", "cedr-knrm"))
+        save_interpolation(workdir, "bm25", "cedr-knrm", config)
+        return config
+
+    monkeypatch.setattr(ckray.evaluate, "tune_interpolation", tune)
+
+    def ensure(depth=30):
+        return ckray.evaluate.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {}, depth)
+
+    ensure(), ensure()
+    assert tunings == [30]                       # tuned once, then reused
+    bm25_meta.write_text(json.dumps({"shards": "rebuilt from other shards"}))
+    ensure(), ensure()
+    assert tunings == [30, 30]                   # the first stage's index changed
+    save_model(_TinyModel(_TinyConfig(dim=4)), checkpoint_dir(tmp_path, "cedr-knrm"))
+    ensure()
+    assert tunings == [30, 30, 30]               # another reranker checkpoint
+    ensure(depth=50)
+    assert tunings == [30, 30, 30, 50]           # another depth
+    assert load_interpolation(tmp_path, "bm25", "cedr-knrm").depth == 50
