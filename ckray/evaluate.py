@@ -94,7 +94,10 @@ def write_results(config: EvaluateConfig, name: str, run, qrels: dict) -> dict[s
 
 
 def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
-    from ckray.pipelines import build_pipeline, is_interpolated
+    """Evaluate each of ``config.pipelines`` on ``config.split`` and write its run and metrics.
+    ``first>reranker`` and ``first+reranker`` both asked for share one reranking
+    (:func:`evaluate_reranker_pair`): the reranker is the expensive part."""
+    from ckray.pipelines import build_pipeline, is_interpolated, parse_pipeline
 
     queries, qrels = read_queries_and_qrels(Path(config.data))
     if config.split not in qrels:
@@ -102,6 +105,12 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
     split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
     results = {}
     for name in config.pipelines:
+        if name in results:
+            continue
+        first, reranker = parse_pipeline(name)
+        if reranker and {f"{first}>{reranker}", f"{first}+{reranker}"} <= set(config.pipelines):
+            results.update(evaluate_reranker_pair(config, first, reranker))
+            continue
         t0 = time.time()
         if is_interpolated(name):
             ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
@@ -110,6 +119,36 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
         wall = time.time() - t0
         metrics = write_results(config, name, run, qrels[config.split])
         log.info("%s on %s: %s (%.1fs for %d queries)", name, config.split, metrics, wall, len(split_q))
+        results[name] = metrics
+    return {name: results[name] for name in config.pipelines}
+
+
+def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) -> dict[str, dict[str, float]]:
+    """``first>reranker`` and ``first+reranker`` from ONE reranking of the first stage's top depth.
+
+    Each run is made with the steps of ``ckray.pipelines.Pipeline.run`` (first stage, rerank,
+    interpolate with the weight tuned on held-out training queries) and written like
+    :func:`evaluate_pipelines` writes a single pipeline's (run file, metrics, per-query metrics), so the
+    figures equal evaluating each alone; only the reranker's scores are computed once, not twice."""
+    from ckray.fusion import interpolate
+    from ckray.pipelines import build_pipeline
+
+    plain, plus = f"{first}>{reranker}", f"{first}+{reranker}"
+    queries, qrels = read_queries_and_qrels(Path(config.data))
+    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
+    t0 = time.time()
+    tuned = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
+    pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)
+    first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
+    reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
+    runs = {plain: reranked, plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}
+    wall = time.time() - t0
+    results = {}
+    for name, run in runs.items():
+        run = {q: docs[:config.k] for q, docs in run.items()}
+        metrics = write_results(config, name, run, qrels[config.split])
+        log.info("%s on %s: %s (%.1fs for %d queries, with %s)", name, config.split, metrics, wall,
+                 len(split_q), plus if name == plain else plain)
         results[name] = metrics
     return results
 

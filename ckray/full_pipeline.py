@@ -136,38 +136,6 @@ def evaluation_stamp(workdir: str | Path, pipeline: str, split: str, queries: di
     }
 
 
-def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) -> dict[str, dict[str, float]]:
-    """``first>reranker`` and ``first+reranker`` from ONE reranking of the first stage's top depth.
-
-    Each run is made with the steps of ``ckray.pipelines.Pipeline.run`` (first stage, rerank,
-    interpolate with the weight tuned on held-out training queries) and written like
-    ``ckray.evaluate.evaluate_pipelines`` writes it (run file, metrics, per-query metrics), so the
-    figures equal ``jobs/evaluate.py``'s; only the reranker's scores are computed once, not twice."""
-    from ckray.data.collections import read_queries_and_qrels
-    from ckray.evaluate import ensure_interpolation, write_results
-    from ckray.fusion import interpolate
-    from ckray.pipelines import build_pipeline
-
-    plain, plus = f"{first}>{reranker}", f"{first}+{reranker}"
-    queries, qrels = read_queries_and_qrels(Path(config.data))
-    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
-    t0 = time.time()
-    tuned = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
-    pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)
-    first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
-    reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
-    runs = {plain: reranked, plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}
-    wall = time.time() - t0
-    results = {}
-    for name, run in runs.items():
-        run = {q: docs[:config.k] for q, docs in run.items()}
-        metrics = write_results(config, name, run, qrels[config.split])
-        log.info("%s on %s: %s (%.1fs for %d queries, with %s)", name, config.split, metrics, wall,
-                 len(split_q), plus if name == plain else plain)
-        results[name] = metrics
-    return results
-
-
 def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], split: str, rerank_depth: int,
                       force: bool = False) -> tuple[dict[str, dict[str, float]], list[str]]:
     """Evaluate each pipeline unless its metrics were computed from the same inputs (a stamp beside the
@@ -176,7 +144,7 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
     pipeline with ``ckray.evaluate.evaluate_pipelines``."""
     from ckray.data.collections import read_queries_and_qrels
     from ckray.data.shards import read_json, write_json_atomic
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path
+    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, evaluate_reranker_pair, metrics_path
     from ckray.pipelines import parse_pipeline
 
     queries, qrels = read_queries_and_qrels(Path(data))

@@ -123,3 +123,21 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     ensure(depth=50)
     assert tunings == [30, 30, 30, 50]           # another depth
     assert load_interpolation(tmp_path, "bm25", "cedr-knrm").depth == 50
+
+
+def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(tmp_path, monkeypatch):
+    import ckray.evaluate
+    from ckray.data.sample import generate_sample
+
+    pairs = []
+
+    def pair(config, first, reranker):  # the real one: tests/test_pipeline.py (figures equal each alone)
+        pairs.append((first, reranker))
+        return {f"{first}+{reranker}": {"nDCG@10": 0.2}, f"{first}>{reranker}": {"nDCG@10": 0.1}}
+
+    monkeypatch.setattr(ckray.evaluate, "evaluate_reranker_pair", pair)
+    names = ["bm25>cedr-knrm", "bm25+cedr-knrm"]
+    results = ckray.evaluate.evaluate_pipelines(ckray.evaluate.EvaluateConfig(
+        data=str(generate_sample(tmp_path / "data")), workdir=str(tmp_path / "w"), pipelines=names, split="test"))
+    assert pairs == [("bm25", "cedr-knrm")]
+    assert list(results) == names and results["bm25+cedr-knrm"] == {"nDCG@10": 0.2}

@@ -114,12 +114,12 @@ def test_full_pipeline_trains_indexes_evaluates_and_reruns_without_training(ray_
     assert all(re.search(rf"\| {re.escape(s)} \| \d+\.\d \|", md) for s in stages), md
 
     # the pipeline evaluates first>reranker and first+reranker from one reranking: same figures as
-    # ckray.evaluate (jobs/evaluate.py), which reranks for each
+    # evaluating each alone (jobs/evaluate.py with one --pipeline), which reranks for each
     from ckray.evaluate import EvaluateConfig, evaluate_pipelines
 
     pair = ["bm25>ck-qti", "bm25+ck-qti"]
-    alone = evaluate_pipelines(EvaluateConfig(data=str(data), workdir=str(w), pipelines=pair, rerank_depth=5))
     for name in pair:
+        alone = evaluate_pipelines(EvaluateConfig(data=str(data), workdir=str(w), pipelines=[name], rerank_depth=5))
         assert alone[name] == pytest.approx(first["results"][name], abs=1e-9), name
 
     second = run()
