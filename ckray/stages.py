@@ -137,6 +137,8 @@ def add_qds_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-length", type=int, default=2048, help="tokens of [CLS] query [SEP] [SOS] sentences …")
     g.add_argument("--window", type=int, default=128, help="local attention window w")
     g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--head-lr-multiplier", type=float, default=50.0,
+                   help="train the [CLS] score head this many times faster than the encoder")
     return p
 
 
@@ -148,7 +150,7 @@ def train_qds(args: argparse.Namespace):
     name = "qds" if args.pattern == "qds" else f"qds-{args.pattern}"
     config = QDSConfig(encoder=args.encoder, max_length=args.max_length, window=args.window, pattern=args.pattern,
                        gradient_checkpointing=args.gradient_checkpointing)
-    task = QDSTask(model_config=config, name=name)
+    task = QDSTask(model_config=config, name=name, head_lr_multiplier=args.head_lr_multiplier)
     return run_training(task, args, name, **CROSS_ENCODER_TRAIN_DEFAULTS)
 
 

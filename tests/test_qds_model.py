@@ -260,3 +260,16 @@ def test_pretrained_minilm_with_full_window_matches_the_encoder(minilm_path):
         ours = m.encode(batch)
     valid = batch["attention_mask"]
     torch.testing.assert_close(ours[valid], ref[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_score_head_learns_faster_than_the_encoder_and_every_parameter_is_trained_once():
+    task = QDSTask(model_config=tiny(), head_lr_multiplier=50.0)
+    m = task.build_model()
+    groups = task.param_groups(m, lr=2e-5, weight_decay=0.01)
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in m.parameters() if p.requires_grad)
+    head = {id(p) for p in m.score.parameters()}
+    for g in groups:
+        is_head = {id(p) in head for p in g["params"]}
+        assert len(is_head) == 1, "a group mixes head and encoder parameters"
+        assert g.get("lr") == (pytest.approx(1e-3) if is_head == {True} else None), g.keys()
