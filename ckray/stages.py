@@ -137,7 +137,7 @@ def add_qds_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-length", type=int, default=2048, help="tokens of [CLS] query [SEP] [SOS] sentences …")
     g.add_argument("--window", type=int, default=128, help="local attention window w")
     g.add_argument("--gradient-checkpointing", action="store_true")
-    g.add_argument("--head-lr-multiplier", type=float, default=50.0,
+    g.add_argument("--head-lr-multiplier", type=float, default=1.0,
                    help="train the [CLS] score head this many times faster than the encoder")
     return p
 
