@@ -140,11 +140,11 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
                       force: bool = False) -> tuple[dict[str, dict[str, float]], list[str]]:
     """Evaluate each pipeline unless its metrics were computed from the same inputs (a stamp beside the
     metrics file); returns the metrics and the names evaluated now. ``first>reranker`` and
-    ``first+reranker`` both due are evaluated together (``evaluate_reranker_pair``), any other
-    pipeline with ``ckray.evaluate.evaluate_pipelines``."""
+    ``first+reranker`` both due are evaluated together (one reranking, see
+    ``ckray.evaluate.evaluate_pipelines``); stamps are written as each is done, so a stopped run resumes."""
     from ckray.data.collections import read_queries_and_qrels
     from ckray.data.shards import read_json, write_json_atomic
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, evaluate_reranker_pair, metrics_path
+    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path
     from ckray.pipelines import parse_pipeline
 
     queries, qrels = read_queries_and_qrels(Path(data))
@@ -173,10 +173,8 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
             continue   # evaluated with its pair
         first, reranker = parse_pipeline(name)
         pair = [f"{first}>{reranker}", f"{first}+{reranker}"] if reranker else []
-        if pair and all(p in todo for p in pair):
-            got = evaluate_reranker_pair(config_for(pair), first, reranker)
-        else:
-            got = evaluate_pipelines(config_for([name]))
+        # a pair both due goes in together: evaluate_pipelines reranks it once
+        got = evaluate_pipelines(config_for(pair if pair and all(p in todo for p in pair) else [name]))
         for n, metrics in got.items():
             results[n] = metrics
             # after evaluating: a first+reranker evaluation may have (re)tuned its weight, part of the stamp
