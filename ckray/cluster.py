@@ -370,7 +370,8 @@ class LocalHead:
         """The autoscaler's event summaries so far ("Adding 1 node(s) of type ...",
         "Removing 1 nodes of type ... (idle)."), from its log in this cluster's session dir."""
         events = []
-        for log in sorted(self.temp_dir.glob("session_*/logs/monitor.log*")):
+        # `session_latest` is a link to the session dir: read each log once.
+        for log in sorted({p.resolve() for p in self.temp_dir.glob("session_*/logs/monitor.log*")}):
             for line in log.read_text(errors="replace").splitlines():
                 if ":event_summary:" in line:
                     events.append(line.split(":event_summary:", 1)[1].strip())

@@ -363,8 +363,13 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle(ray_ses
         t_removed = time.time() - t0
         states = {n["node_id"]: n["state"] for n in head.nodes()}
         assert all(states[i] == "DEAD" for i in added)
-        assert any(e.startswith("Removing ") and e.endswith(f"nodes of type {train_type} (idle).")
-                   for e in head.autoscaler_events()), head.autoscaler_events()
+        # The monitor logs its "Removing ..." summary at the end of the update that terminated the
+        # node, which can come a few seconds after the GCS marks the node dead: wait for it.
+        removed_event = f"nodes of type {train_type} (idle)."
+        deadline = time.time() + 60
+        while not any(e.startswith("Removing ") and e.endswith(removed_event) for e in head.autoscaler_events()):
+            assert time.time() < deadline, head.autoscaler_events()
+            time.sleep(1)
         assert [n["is_head_node"] for n in head.alive_nodes()] == [True]
 
     # Teardown: nothing of this cluster survives (fake worker nodes, workers, job driver).
