@@ -108,8 +108,11 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
         if name in results:
             continue
         first, reranker = parse_pipeline(name)
-        if reranker and {f"{first}>{reranker}", f"{first}+{reranker}"} <= set(config.pipelines):
-            results.update(evaluate_reranker_pair(config, first, reranker))
+        partner = next((other for other in config.pipelines if reranker and parse_pipeline(other) == (first, reranker)
+                        and is_interpolated(other) != is_interpolated(name)), None)  # also through aliases
+        if partner is not None:
+            plain, plus = (partner, name) if is_interpolated(name) else (name, partner)
+            results.update(evaluate_reranker_pair(config, first, reranker, names=(plain, plus)))
             continue
         t0 = time.time()
         if is_interpolated(name):
@@ -123,17 +126,20 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
     return {name: results[name] for name in config.pipelines}
 
 
-def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) -> dict[str, dict[str, float]]:
+def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
+                           names: tuple[str, str] | None = None) -> dict[str, dict[str, float]]:
     """``first>reranker`` and ``first+reranker`` from ONE reranking of the first stage's top depth.
 
     Each run is made with the steps of ``ckray.pipelines.Pipeline.run`` (first stage, rerank,
     interpolate with the weight tuned on held-out training queries) and written like
     :func:`evaluate_pipelines` writes a single pipeline's (run file, metrics, per-query metrics), so the
-    figures equal evaluating each alone; only the reranker's scores are computed once, not twice."""
+    figures equal evaluating each alone; only the reranker's scores are computed once, not twice.
+    ``names``: what the two runs are called, when asked for by an alias (``ck-qti-rerank``)."""
     from ckray.fusion import interpolate
     from ckray.pipelines import build_pipeline
 
     plain, plus = f"{first}>{reranker}", f"{first}+{reranker}"
+    out_plain, out_plus = names or (plain, plus)
     queries, qrels = read_queries_and_qrels(Path(config.data))
     split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
     t0 = time.time()
@@ -141,14 +147,14 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str) 
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
     reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
-    runs = {plain: reranked, plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}
+    runs = {out_plain: reranked, out_plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}
     wall = time.time() - t0
     results = {}
     for name, run in runs.items():
         run = {q: docs[:config.k] for q, docs in run.items()}
         metrics = write_results(config, name, run, qrels[config.split])
         log.info("%s on %s: %s (%.1fs for %d queries, with %s)", name, config.split, metrics, wall,
-                 len(split_q), plus if name == plain else plain)
+                 len(split_q), out_plus if name == out_plain else out_plain)
         results[name] = metrics
     return results
 

@@ -295,19 +295,13 @@ def consolidate(task: RankerTask, checkpoint_dir: str | os.PathLike, output_dir:
 def _initial_weights(task: RankerTask, path: str, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The weights of the saved checkpoint at ``path`` (``--init-from``), checked against ``task``'s
     model: same class, every tensor present with the same shape. Errors name the checkpoint."""
-    from safetensors.torch import load_file
-
-    from ckray.models.checkpoint import WEIGHTS_FILE, class_path, read_checkpoint_config
+    from ckray.models.checkpoint import class_path, read_checkpoint
 
     model = model if model is not None else task.build_model()
-    payload = read_checkpoint_config(path)  # MissingArtifactError naming the path
+    payload, weights = read_checkpoint(path)  # MissingArtifactError naming the path
     if payload.get("model_class") != class_path(model):
         raise ConfigError(f"--init-from {path}: it holds a {payload.get('model_class')}, "
                           f"this job trains a {class_path(model)}")
-    weights_file = Path(path) / WEIGHTS_FILE
-    if not weights_file.exists():
-        raise MissingArtifactError(f"--init-from {path}: no {WEIGHTS_FILE} (half-written checkpoint?)")
-    weights = load_file(str(weights_file))
     own = model.state_dict()
     missing = sorted(set(own) - set(weights) - set(getattr(model, "_non_persistent_ok", ())))
     misfit = [k for k in own if k in weights and weights[k].shape != own[k].shape]

@@ -27,6 +27,10 @@ def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 candidates reranked in validation")
     g.add_argument("--max-dev-queries", type=int, default=d.max_dev_queries)
     g.add_argument("--max-triples", type=int, default=0, help="use at most N training triples (0: all)")
+    g.add_argument("--weak-titles", type=int, default=d.weak_titles, metavar="N",
+                   help="weak supervision: add N corpus documents' title → body pairs with the title's BM25 "
+                        "negatives (0: off)")
+    g.add_argument("--weak-depth", type=int, default=d.weak_depth, help="weak negatives from the title's BM25 top-N")
     return parser
 
 
@@ -55,7 +59,8 @@ def training_data(args: argparse.Namespace) -> TrainingData:
     config = TrainingDataConfig(split=args.data_split, dev_fraction=args.dev_fraction,
                                 negatives_per_positive=args.negatives_per_positive,
                                 negative_depth=args.negative_depth, dev_depth=args.dev_depth,
-                                max_dev_queries=args.max_dev_queries)
+                                max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
+                                weak_depth=args.weak_depth)
     td = build_training_data(args.workdir, queries, qrels[args.data_split], config)
     if args.max_triples and td.triples.num_rows > args.max_triples:
         td = dataclasses.replace(td, triples=td.triples.slice(0, args.max_triples))
@@ -76,8 +81,9 @@ def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: Trai
     summary = {
         "name": name, "best_dev_ndcg@10": result.best_metric, "best_step": result.best_step,
         "steps": result.steps, "examples_seen": result.examples_seen, "wall_time_s": result.wall_time,
-        "train_triples": td.triples.num_rows, "train_queries": len(td.train_queries), "dev_queries": len(td.dev),
-        "config": dataclasses.asdict(config), "history": result.history,
+        "train_triples": td.triples.num_rows, "weak_triples": td.weak_triples,
+        "train_queries": len(td.train_queries), "dev_queries": len(td.dev),
+        "config": dataclasses.asdict(config), "data_config": dataclasses.asdict(td.config), "history": result.history,
     }
     if previous is not None and result.steps == result.start_step and not result.attempts \
             and json.loads(previous).get("steps") == result.steps:

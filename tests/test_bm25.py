@@ -72,6 +72,38 @@ def test_negatives_and_training_data(sample_workdir):
     assert set(capped.train_queries) == set(td.train_queries)
 
 
+def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(sample_workdir):
+    from ckray.data.examples import TITLE_QUERY_PREFIX
+    from ckray.data.shards import DocStore
+
+    data, w = sample_workdir
+    c = load_collection(data)
+    build_negatives(w, c.split_queries("train"), c.qrels["train"], depth=50)
+    base_cfg = TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3)
+    plain = build_training_data(w, c.queries, c.qrels["train"], base_cfg)
+    weak = build_training_data(w, c.queries, c.qrels["train"],
+                               TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, weak_titles=5, weak_depth=20))
+    rows = weak.triples.to_pydict()
+    is_weak = [q.startswith(TITLE_QUERY_PREFIX) for q in rows["query_id"]]
+    assert weak.weak_triples == sum(is_weak) and 0 < weak.weak_triples <= 5 * 3
+    assert weak.triples.num_rows == plain.triples.num_rows + weak.weak_triples
+    # the supervised triples are the same ones, and the dev set is untouched
+    key = lambda r: (r["query_id"], r["pos_id"], r["neg_id"])  # noqa: E731
+    assert sorted(key(r) for r in weak.triples.to_pylist() if not r["query_id"].startswith(TITLE_QUERY_PREFIX)) == \
+        sorted(key(r) for r in plain.triples.to_pylist())
+    assert weak.dev.queries == plain.dev.queries
+    store = DocStore(w)
+    for r in weak.triples.to_pylist():
+        if not r["query_id"].startswith(TITLE_QUERY_PREFIX):
+            continue
+        source = r["query_id"][len(TITLE_QUERY_PREFIX):]
+        title, body = store.get(source)
+        assert r["query"] == title and r["pos_id"] == source and r["pos_text"] == body  # the body, not the title
+        assert r["neg_id"] != source and r["neg_text"] == store.get(r["neg_id"])[1]
+        assert r["pos_bm25"] > 0
+    assert len({q for q, wk in zip(rows["query_id"], is_weak) if wk}) == 5
+
+
 @pytest.mark.slow
 def test_scifact_bm25_matches_pyserini_beir_figure(ray_session, scifact_dir, tmp_path):
     prepare_collection(scifact_dir, tmp_path, shards=4, split=None)  # shards and BM25 index

@@ -131,13 +131,22 @@ def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(
 
     pairs = []
 
-    def pair(config, first, reranker):  # the real one: tests/test_pipeline.py (figures equal each alone)
-        pairs.append((first, reranker))
-        return {f"{first}+{reranker}": {"nDCG@10": 0.2}, f"{first}>{reranker}": {"nDCG@10": 0.1}}
+    def pair(config, first, reranker, names):  # the real one: tests/test_pipeline.py (figures equal each alone)
+        pairs.append((first, reranker, names))
+        plain, plus = names
+        return {plus: {"nDCG@10": 0.2}, plain: {"nDCG@10": 0.1}}
 
     monkeypatch.setattr(ckray.evaluate, "evaluate_reranker_pair", pair)
-    names = ["bm25>cedr-knrm", "bm25+cedr-knrm"]
+    data = str(generate_sample(tmp_path / "data"))
+    names = ["bm25+cedr-knrm", "bm25>cedr-knrm"]
     results = ckray.evaluate.evaluate_pipelines(ckray.evaluate.EvaluateConfig(
-        data=str(generate_sample(tmp_path / "data")), workdir=str(tmp_path / "w"), pipelines=names, split="test"))
-    assert pairs == [("bm25", "cedr-knrm")]
+        data=data, workdir=str(tmp_path / "w"), pipelines=names, split="test"))
+    assert pairs == [("bm25", "cedr-knrm", ("bm25>cedr-knrm", "bm25+cedr-knrm"))]
     assert list(results) == names and results["bm25+cedr-knrm"] == {"nDCG@10": 0.2}
+    # an alias pairs too, and its run keeps the name it was asked for (ck-qti-rerank = bm25>ck-qti)
+    pairs.clear()
+    names = ["ck-qti-rerank", "bm25+ck-qti"]
+    results = ckray.evaluate.evaluate_pipelines(ckray.evaluate.EvaluateConfig(
+        data=data, workdir=str(tmp_path / "w"), pipelines=names, split="test"))
+    assert pairs == [("bm25", "ck-qti", ("ck-qti-rerank", "bm25+ck-qti"))]
+    assert results == {"ck-qti-rerank": {"nDCG@10": 0.1}, "bm25+ck-qti": {"nDCG@10": 0.2}}

@@ -102,6 +102,10 @@ class TrainingDataConfig:
     dev_depth: int = 50             # BM25 candidates reranked for validation
     max_dev_queries: int = 200
     seed: int = 0
+    # weak supervision from the corpus itself: up to N documents' titles used as queries for their own
+    # body (title → body pairs, BM25 negatives of the title); 0 = off. Never uses any query or qrels.
+    weak_titles: int = 0
+    weak_depth: int = 100           # the title's BM25 top-N the weak negatives are sampled from
 
 
 @dataclass
@@ -109,6 +113,8 @@ class TrainingData:
     triples: pa.Table
     dev: DevSet
     train_queries: list[str]
+    config: TrainingDataConfig = field(default_factory=TrainingDataConfig)
+    weak_triples: int = 0  # of ``triples``, how many are weak title → body pairs
 
 
 def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qrels: dict[str, dict[str, int]],
@@ -140,6 +146,9 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
                 for col, val in zip(TRIPLE_COLUMNS, (q, queries[q], p, store.text(p), pos_bm25.get((q, p), 0.0),
                                                      d, store.text(d), s)):
                     rows[col].append(val)
+    n_supervised = len(rows["query_id"])
+    if config.weak_titles > 0:
+        _add_title_triples(rows, workdir, store, config, rng)
     triples = pa.table(rows)
     if triples.num_rows:
         order = list(range(triples.num_rows))
@@ -149,6 +158,41 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     texts = {d: store.text(d) for docs in candidates.values() for d, _ in docs}
     dev = DevSet(queries={q: queries[q] for q in dev_q}, candidates=candidates, doc_text=texts,
                  qrels={q: qrels[q] for q in dev_q}, meta={"depth": config.dev_depth})
-    log.info("training data: %d triples from %d queries; dev: %d queries × %d candidates",
-             triples.num_rows, len(train_q), len(dev_q), config.dev_depth)
-    return TrainingData(triples=triples, dev=dev, train_queries=train_q)
+    log.info("training data: %d triples from %d queries (+ %d weak title triples); dev: %d queries × %d candidates",
+             n_supervised, len(train_q), triples.num_rows - n_supervised, len(dev_q), config.dev_depth)
+    return TrainingData(triples=triples, dev=dev, train_queries=train_q, config=config,
+                        weak_triples=triples.num_rows - n_supervised)
+
+
+TITLE_QUERY_PREFIX = "title:"
+MIN_TITLE_WORDS = 3  # shorter titles ("Introduction", "Erratum") say too little to be a query
+
+
+def _add_title_triples(rows: dict[str, list], workdir: str | os.PathLike, store, config: TrainingDataConfig,
+                       rng: random.Random) -> None:
+    """Weak supervision from the corpus (the brief's "title → abstract" pairs): a document's title is a
+    query whose positive is the document's body; negatives are other bodies from the title's BM25
+    top ``weak_depth``. Bodies only, so the title's own words are not handed to the model. Query ids
+    are ``title:<doc_id>``, so they can never collide with, or be mistaken for, a real query. The
+    lexical scores are the title's BM25 against the indexed documents (title + body)."""
+    titled = [d for d in store.ids() if len(store.get(d)[0].split()) >= MIN_TITLE_WORDS and store.get(d)[1].strip()]
+    chosen = sorted(rng.sample(titled, min(config.weak_titles, len(titled))))
+    queries = {TITLE_QUERY_PREFIX + d: store.get(d)[0] for d in chosen}
+    qrels = {TITLE_QUERY_PREFIX + d: {d: 1} for d in chosen}
+    build_negatives(workdir, queries, qrels, split="weak-titles", depth=config.weak_depth)
+    neg = pq.read_table(negatives_path(workdir, "weak-titles")).to_pydict()
+    pos = pq.read_table(positives_path(workdir, "weak-titles")).to_pydict()
+    run: dict[str, list[tuple[str, float]]] = {}
+    for q, d, s in zip(neg["query_id"], neg["doc_id"], neg["score"]):
+        if q in queries:
+            run.setdefault(q, []).append((d, float(s)))
+    pos_bm25 = dict(zip(pos["query_id"], pos["score"]))
+    for q in queries:
+        source = q[len(TITLE_QUERY_PREFIX):]
+        pool = [(d, s) for d, s in run.get(q, []) if d != source and store.get(d)[1].strip()]
+        for d, s in rng.sample(pool, min(config.negatives_per_positive, len(pool))):
+            for col, val in zip(TRIPLE_COLUMNS, (q, queries[q], source, store.get(source)[1], float(pos_bm25[q]),
+                                                 d, store.get(d)[1], s)):
+                rows[col].append(val)
+    log.info("weak supervision: %d title queries → %d body pairs", len(queries),
+             sum(1 for q in rows["query_id"] if q.startswith(TITLE_QUERY_PREFIX)))

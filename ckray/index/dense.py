@@ -179,7 +179,7 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
     ``steady_docs_per_s`` (documents completed after the first batch / time from the first to the
     last batch completion, by the actors' clocks: throughput once the actors are warm), and
     ``encode_s`` / ``encode_cpu_s``: wall and process-CPU seconds the actors spent inside their
-    batch calls, summed over actors.
+    batch calls, summed over actors; ``checkpoint_sha256`` (the model's digest, as the stamps record it).
     """
     import ray
 
@@ -203,7 +203,7 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
     log.info("embedding %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources), out_dir, skipped)
     summary = {"documents": 0, "shards_written": 0, "shards_skipped": skipped, "batches": 0, "seconds": 0.0,
                "docs_per_s": 0.0, "steady_docs_per_s": 0.0, "encode_s": 0.0, "encode_cpu_s": 0.0,
-               "out_dir": str(out_dir)}
+               "out_dir": str(out_dir), "checkpoint_sha256": digest}
     if not todo:
         return summary
 
@@ -545,13 +545,11 @@ def _want_gpu(use_gpu: bool | None) -> bool:
 def build_dense_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
                       embed: EmbedConfig | None = None, index: IndexConfig | None = None) -> tuple[DenseIndex, dict]:
     """Embedding job + index build + save to ``W/dense/index``; returns the index and the job summary."""
-    from ckray.models.checkpoint import checkpoint_digest
-
     checkpoint = Path(checkpoint) if checkpoint is not None else default_checkpoint(workdir)
     summary = embed_corpus(workdir, checkpoint, embed)
     dense = DenseIndex.from_shards(embeddings_dir(workdir), index,
                                    {"checkpoint": str(checkpoint.resolve()),
-                                    "checkpoint_sha256": checkpoint_digest(checkpoint)})
+                                    "checkpoint_sha256": summary["checkpoint_sha256"]})
     dense.save(index_dir(workdir))
     return dense, summary
 

@@ -470,7 +470,7 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
     Summary: ``documents`` (scored now), ``shards_written``, ``shards_skipped``, ``repeated_rows``
     (rows of retried batches dropped), ``seconds`` (whole job: actor start, model load, scoring,
     writing), ``docs_per_s``, ``steady_docs_per_s`` (after the first batch, by the actors' clocks),
-    ``actor_seconds`` (time the actors spent inside their batch calls, summed).
+    ``actor_seconds`` (time the actors spent inside their batch calls, summed), ``checkpoint_sha256``.
     """
     config = config or ImpactConfig()
     config.validate()
@@ -490,7 +490,7 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
     todo = [s for s in sources if not is_done(out_dir / s.name, stamps[s.name])]
     summary = {"documents": 0, "shards_written": 0, "shards_skipped": len(sources) - len(todo),
                "repeated_rows": 0, "seconds": 0.0, "docs_per_s": 0.0, "steady_docs_per_s": 0.0,
-               "actor_seconds": 0.0, "actors": config.actors}
+               "actor_seconds": 0.0, "actors": config.actors, "checkpoint_sha256": digest}
     log.info("impact scoring %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources),
              out_dir, summary["shards_skipped"])
     t0 = time.perf_counter()
@@ -676,7 +676,6 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
     """The whole job: impact shards (Ray), the exactly-once check, JSON lines, the Lucene impact index
     with its metadata. Each step is skipped when its output is up to date. Returns a summary."""
     from ckray.lexical.bm25 import index_json_collection
-    from ckray.models.checkpoint import checkpoint_digest
 
     config = config or ImpactConfig()
     config.validate()
@@ -692,7 +691,7 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
                     "leaves them out, so no query retrieves them", empty)
     index = impact_index_dir(workdir)
     meta = {
-        "checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": checkpoint_digest(checkpoint),
+        "checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": summary["checkpoint_sha256"],
         **config.scoring_settings(), "scale": scale, "quant_max": config.quant_max, "max_weight": max_weight,
         "documents": documents, "empty_vectors": empty, "term_prefix": TERM_PREFIX,
         "encoder": payload["config"].get("encoder"), "max_query_len": payload["config"].get("max_query_len"),

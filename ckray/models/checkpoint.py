@@ -96,15 +96,22 @@ def checkpoint_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> torch.nn.Module:
-    """Rebuild the model from ``config.json`` and load ``model.safetensors`` into it."""
+def read_checkpoint(path: str | os.PathLike,
+                    map_location: str | torch.device = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+    """``config.json``'s payload and the tensors of ``model.safetensors``; a missing or half-written
+    checkpoint raises :class:`MissingArtifactError` naming ``path``."""
     payload = read_checkpoint_config(path)
     weights = Path(path) / WEIGHTS_FILE
     if not weights.exists():
         raise MissingArtifactError(f"checkpoint {path} has no {WEIGHTS_FILE}; it is half-written, re-train")
+    return payload, load_file(str(weights), device=str(map_location))
+
+
+def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> torch.nn.Module:
+    """Rebuild the model from ``config.json`` and load ``model.safetensors`` into it."""
+    payload, state = read_checkpoint(path, map_location)
     config = _import(payload["config_class"])(**payload["config"])
     model = _import(payload["model_class"])(config)
-    state = load_file(str(weights), device=str(map_location))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in getattr(model, "_non_persistent_ok", ())]
     if missing or unexpected:
