@@ -14,11 +14,14 @@ Every stage skips finished work: a training run already at ``--max-steps`` is no
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from ckray.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # Each model's own training-loop settings (TrainConfig fields), where the job's flag is not given:
 # passed to ckray.train_job.run_training and shown in the job's --help.
@@ -48,12 +51,15 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+EXPLICIT_STATS_TRIPLES = 1024  # training triples sampled for E[TF] and E[|d|] (batch scaling's start)
+
+
 def train_ck(args: argparse.Namespace):
     """CK-QTI (or the full CK with ``--no-qti``, the TK baseline with ``--attention quadratic``):
     corpus statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>."""
     from ckray.data.collections import doc_text
     from ckray.data.shards import load_corpus_table
-    from ckray.models.ck import CKConfig, corpus_statistics, tk_config
+    from ckray.models.ck import CKConfig, corpus_statistics, explicit_training_statistics, tk_config
     from ckray.tasks import CKTask
     from ckray.train_job import run_training, training_data
 
@@ -64,8 +70,13 @@ def train_ck(args: argparse.Namespace):
     corpus = load_corpus_table(args.workdir)
     stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())),
                               config)
+    sample = td.triples.slice(0, EXPLICIT_STATS_TRIPLES).to_pydict()  # the triples are shuffled
+    mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config)
+    log.info("explicit match starts as BM25(k1=%.2f, b=%.2f) under E[TF]=%.2f, E[|d|]=%.0f (avgdl %.0f)",
+             config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
-                  mean_doc_len=stats.mean_doc_len, name=name, head_lr_multiplier=args.head_lr_multiplier)
+                  mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
+                  name=name, head_lr_multiplier=args.head_lr_multiplier)
     return run_training(task, args, name, td=td, **{**CK_TRAIN_DEFAULTS, "lr": args.default_lr})
 
 

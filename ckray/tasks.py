@@ -21,6 +21,10 @@ class CKTask(RankerTask):
     doc_freq: np.ndarray | None = None   # corpus document frequency per vocabulary id
     n_docs: int = 0
     mean_doc_len: float | None = None
+    # E[TF], E[|d|] of training triples (ckray.models.ck.explicit_training_statistics): the explicit
+    # match then starts as BM25 under batch scaling (CKModel.start_explicit_as_bm25)
+    train_mean_tf: float | None = None
+    train_mean_len: float | None = None
     name: str = "ck-qti"
     head_lr_multiplier: float = 1.0      # all but the (pretrained) word embeddings train this much faster
 
@@ -30,6 +34,8 @@ class CKTask(RankerTask):
         model = CKModel(self.config)
         if self.doc_freq is not None:
             model.set_idf(torch.as_tensor(self.doc_freq), self.n_docs, self.mean_doc_len)
+        if self.train_mean_tf is not None and self.train_mean_len is not None and self.mean_doc_len:
+            model.start_explicit_as_bm25(self.train_mean_tf, self.train_mean_len, self.mean_doc_len)
         return model
 
     def collate(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -62,6 +62,9 @@ def training_data(args: argparse.Namespace) -> TrainingData:
                                 max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
                                 weak_depth=args.weak_depth)
     td = build_training_data(args.workdir, queries, qrels[args.data_split], config)
+    if td.triples.num_rows == 0:
+        raise ConfigError(f"{args.data}: no training triples from split {args.data_split!r} — no non-dev query "
+                          f"has a judged positive in the corpus and a BM25 candidate to contrast it with")
     if args.max_triples and td.triples.num_rows > args.max_triples:
         td = dataclasses.replace(td, triples=td.triples.slice(0, args.max_triples))
     return td

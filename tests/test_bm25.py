@@ -104,6 +104,16 @@ def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(s
     assert len({q for q, wk in zip(rows["query_id"], is_weak) if wk}) == 5
 
 
+def test_a_training_split_that_yields_no_triples_is_a_clear_error(sample_workdir):
+    from ckray.errors import ConfigError
+    from ckray.train_job import training_data, training_parser
+
+    data, w = sample_workdir
+    args = training_parser("t").parse_args(["--data", str(data), "--workdir", str(w), "--dev-fraction", "1.0"])
+    with pytest.raises(ConfigError, match=r"no training triples from split 'train'"):
+        training_data(args)  # every training query held back for dev: nothing left to train on
+
+
 @pytest.mark.slow
 def test_scifact_bm25_matches_pyserini_beir_figure(ray_session, scifact_dir, tmp_path):
     prepare_collection(scifact_dir, tmp_path, shards=4, split=None)  # shards and BM25 index

