@@ -35,6 +35,8 @@ CROSS_ENCODER_TRAIN_DEFAULTS: dict[str, Any] = {**CLEAR_TRAIN_DEFAULTS, "batch_s
 
 
 def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.models.ck import CKConfig
+
     g = p.add_argument_group("model (ckray.models.ck)")
     g.add_argument("--qti", dest="qti", action="store_true", default=True, help="query term independence (CK-QTI)")
     g.add_argument("--no-qti", dest="qti", action="store_false", help="the paper's full CK (query contextualised)")
@@ -42,6 +44,8 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="quadratic = the TK baseline")
     g.add_argument("--max-doc-len", type=int, default=4000, help="document word pieces (not cut at 512)")
     g.add_argument("--layers", type=int, default=2, help="Conformer blocks")
+    g.add_argument("--bm25-k1", type=float, default=CKConfig.bm25_k1, help="the explicit match starts as BM25(k1, b)")
+    g.add_argument("--bm25-b", type=float, default=CKConfig.bm25_b)
     g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints (default: ck-qti; ck with "
                    "--no-qti, tk with --attention quadratic)")
     g.add_argument("--default-lr", type=float, default=CK_TRAIN_DEFAULTS["lr"],
@@ -64,7 +68,7 @@ def train_ck(args: argparse.Namespace):
     from ckray.train_job import run_training, training_data
 
     base = tk_config() if args.attention == "quadratic" else CKConfig(qti=args.qti)
-    config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers)
+    config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers, bm25_k1=args.bm25_k1, bm25_b=args.bm25_b)
     name = args.name or ("tk" if args.attention == "quadratic" else "ck-qti" if args.qti else "ck")
     td = training_data(args)  # prepares shards, BM25 and negatives when missing
     corpus = load_corpus_table(args.workdir)
