@@ -114,7 +114,11 @@ class TrainingData:
     dev: DevSet
     train_queries: list[str]
     config: TrainingDataConfig = field(default_factory=TrainingDataConfig)
-    weak_triples: int = 0  # of ``triples``, how many are weak title → body pairs
+
+    @property
+    def weak_triples(self) -> int:
+        """Of ``triples``, how many are weak title → body pairs."""
+        return sum(q.startswith(TITLE_QUERY_PREFIX) for q in self.triples.column("query_id").to_pylist())
 
 
 def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qrels: dict[str, dict[str, int]],
@@ -123,12 +127,7 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     held-back training queries. Test queries never enter here."""
     from ckray.data.shards import DocStore
 
-    neg = pq.read_table(negatives_path(workdir, config.split)).to_pydict()
-    pos = pq.read_table(positives_path(workdir, config.split)).to_pydict()
-    run: dict[str, list[tuple[str, float]]] = {}
-    for q, d, s in zip(neg["query_id"], neg["doc_id"], neg["score"]):
-        run.setdefault(q, []).append((d, float(s)))
-    pos_bm25 = {(q, d): float(s) for q, d, s in zip(pos["query_id"], pos["doc_id"], pos["score"])}
+    run, pos_bm25 = _read_negatives(workdir, config.split)
     store = DocStore(workdir)
     rng = random.Random(config.seed)
     qids = sorted(q for q in qrels if q in queries and any(r > 0 for r in qrels[q].values()))
@@ -143,9 +142,7 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
             continue
         for p in positives:
             for d, s in rng.sample(pool, min(config.negatives_per_positive, len(pool))):
-                for col, val in zip(TRIPLE_COLUMNS, (q, queries[q], p, store.text(p), pos_bm25.get((q, p), 0.0),
-                                                     d, store.text(d), s)):
-                    rows[col].append(val)
+                _append_triple(rows, q, queries[q], p, store.text(p), pos_bm25.get((q, p), 0.0), d, store.text(d), s)
     n_supervised = len(rows["query_id"])
     if config.weak_titles > 0:
         _add_title_triples(rows, workdir, store, config, rng)
@@ -160,8 +157,23 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
                  qrels={q: qrels[q] for q in dev_q}, meta={"depth": config.dev_depth})
     log.info("training data: %d triples from %d queries (+ %d weak title triples); dev: %d queries × %d candidates",
              n_supervised, len(train_q), triples.num_rows - n_supervised, len(dev_q), config.dev_depth)
-    return TrainingData(triples=triples, dev=dev, train_queries=train_q, config=config,
-                        weak_triples=triples.num_rows - n_supervised)
+    return TrainingData(triples=triples, dev=dev, train_queries=train_q, config=config)
+
+
+def _read_negatives(workdir: str | os.PathLike, split: str) -> tuple[Run, dict[tuple[str, str], float]]:
+    """What :func:`build_negatives` wrote for ``split``: the BM25 run and the positives' BM25 scores."""
+    neg = pq.read_table(negatives_path(workdir, split)).to_pydict()
+    pos = pq.read_table(positives_path(workdir, split)).to_pydict()
+    run: Run = {}
+    for q, d, s in zip(neg["query_id"], neg["doc_id"], neg["score"]):
+        run.setdefault(q, []).append((d, float(s)))
+    return run, {(q, d): float(s) for q, d, s in zip(pos["query_id"], pos["doc_id"], pos["score"])}
+
+
+def _append_triple(rows: dict[str, list], *values) -> None:
+    """One training triple, its values in ``TRIPLE_COLUMNS`` order."""
+    for col, val in zip(TRIPLE_COLUMNS, values, strict=True):
+        rows[col].append(val)
 
 
 TITLE_QUERY_PREFIX = "title:"
@@ -180,19 +192,12 @@ def _add_title_triples(rows: dict[str, list], workdir: str | os.PathLike, store,
     queries = {TITLE_QUERY_PREFIX + d: store.get(d)[0] for d in chosen}
     qrels = {TITLE_QUERY_PREFIX + d: {d: 1} for d in chosen}
     build_negatives(workdir, queries, qrels, split="weak-titles", depth=config.weak_depth)
-    neg = pq.read_table(negatives_path(workdir, "weak-titles")).to_pydict()
-    pos = pq.read_table(positives_path(workdir, "weak-titles")).to_pydict()
-    run: dict[str, list[tuple[str, float]]] = {}
-    for q, d, s in zip(neg["query_id"], neg["doc_id"], neg["score"]):
-        if q in queries:
-            run.setdefault(q, []).append((d, float(s)))
-    pos_bm25 = dict(zip(pos["query_id"], pos["score"]))
+    run, pos_bm25 = _read_negatives(workdir, "weak-titles")  # exactly these queries (the file's stamp)
+    before = len(rows["query_id"])
     for q in queries:
         source = q[len(TITLE_QUERY_PREFIX):]
+        body = store.get(source)[1]
         pool = [(d, s) for d, s in run.get(q, []) if d != source and store.get(d)[1].strip()]
         for d, s in rng.sample(pool, min(config.negatives_per_positive, len(pool))):
-            for col, val in zip(TRIPLE_COLUMNS, (q, queries[q], source, store.get(source)[1], float(pos_bm25[q]),
-                                                 d, store.get(d)[1], s)):
-                rows[col].append(val)
-    log.info("weak supervision: %d title queries → %d body pairs", len(queries),
-             sum(1 for q in rows["query_id"] if q.startswith(TITLE_QUERY_PREFIX)))
+            _append_triple(rows, q, queries[q], source, body, pos_bm25[(q, source)], d, store.get(d)[1], s)
+    log.info("weak supervision: %d title queries → %d body pairs", len(queries), len(rows["query_id"]) - before)
