@@ -37,10 +37,22 @@ RETRIEVERS: dict[str, str] = {
 
 # reranker name → checkpoint directory name under W/checkpoints (the model class comes from its config.json).
 RERANKERS: dict[str, str] = {
-    "ck-qti": "ck-qti", "ck": "ck",
+    "ck-qti": "ck-qti", "ck-qti-unpruned": "ck-qti", "ck": "ck",
     "cedr-knrm": "cedr-knrm", "cedr-pacrr": "cedr-pacrr", "cedr-drmm": "cedr-drmm", "vanilla-bert": "vanilla-bert",
     "qds": "qds", "qds-longformer-qa": "qds-longformer-qa", "qds-local": "qds-local",
 }
+
+
+# rerankers built by their own factory (``(checkpoint, workdir, doc_text, **options) -> Reranker``); the
+# others are a CheckpointReranker over the checkpoint's ``score_texts``. ``ck-qti`` reranks by the
+# documents' top-k term impacts, as its index scores (ckray.index.impact_rerank); ``ck-qti-unpruned``
+# is the same checkpoint's dense Σ over every query term, kept as the ablation.
+RERANKER_FACTORIES: dict[str, str] = {"ck-qti": "ckray.index.impact_rerank:impact_reranker"}
+
+
+def served_by_default(name: str) -> bool:
+    """A reranker of its own checkpoint (not an ablation reading another's, like ``ck-qti-unpruned``)."""
+    return RERANKERS[name] == name
 
 
 class Retriever(Protocol):
@@ -135,6 +147,8 @@ def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker
 
     path = checkpoint_dir(workdir, name)
     read_checkpoint_config(path)  # a clear error now, not at the first query
+    if name in RERANKER_FACTORIES:
+        return _factory(RERANKER_FACTORIES[name])(path, workdir, DocStore(workdir).text, **options)
     return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, **options)
 
 

@@ -48,7 +48,7 @@ from ray.serve.handle import DeploymentHandle
 from ckray import __version__
 from ckray.errors import ConfigError
 from ckray.pipelines import (RERANKERS, RETRIEVERS, Run, build_retriever, checkpoint_dir, is_interpolated,
-                             parse_pipeline)
+                             parse_pipeline, served_by_default)
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class AppArgs(BaseModel):
     workdir: str
     default_pipeline: str = "bm25"                    # what GET /search runs: "<first stage>[><reranker>]"
     retrievers: list[str | RetrieverSpec] | None = None   # None: every RETRIEVERS entry whose artifacts exist
-    rerankers: list[str] | None = None                # None: every RERANKERS checkpoint in W/checkpoints
+    rerankers: list[str] | None = None                # None: every RERANKERS checkpoint in W/checkpoints (not ablations)
     default_k: int = Field(10, ge=1, le=MAX_K)
     rerank_depth: int = Field(100, ge=1, le=MAX_RERANK_DEPTH)   # default depth (the offline default)
     rrf_k: int = Field(RRF_K, ge=1)
@@ -286,7 +286,9 @@ class RerankerDeployment:
         self.name = name
         reranker = build_reranker(name, workdir)  # the offline reranker: its model and doc-text lookup
         self.device = default_device()
-        self.model = reranker.model.to(self.device).eval()
+        # a reranker without a score_texts model (ck-qti: stored impacts) reranks by itself, no batching
+        self.lookup = None if hasattr(reranker, "model") else reranker
+        self.model = reranker.model.to(self.device).eval() if self.lookup is None else None
         self.doc_text = reranker.doc_text
         self._torch = torch
         self.settings = RerankBatching()
@@ -307,6 +309,11 @@ class RerankerDeployment:
 
         t_in = time.perf_counter()
         run = {"q": list(hits)}
+        if self.lookup is not None:
+            merged = self.lookup.rerank({"q": query}, run, depth)["q"]
+            ms = 1000 * (time.perf_counter() - t_in)
+            return {"hits": merged, "ms": ms, "replica_ms": ms, "queue_ms": 0.0,
+                    "batch_pairs": min(depth, len(run["q"])), "batch_requests": 1}
         rows = rerank_pairs({"q": query}, run, self.doc_text, depth)
         pairs = [(r["query"], r["doc"]) for r in rows]
         step = self.settings.max_batch_pairs
@@ -617,14 +624,15 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
     """The Serve application (``import_path: ckray.serve:build_app`` in serve_config.yaml).
 
     Deploys every requested first stage and reranker whose artifacts exist under ``args.workdir``
-    (all of ``RETRIEVERS`` / ``RERANKERS`` when not listed); the rest are reported as unavailable
-    (GET /healthz, and 400 with the reason when a request names one). The default pipeline must be
+    (all of ``RETRIEVERS`` / ``RERANKERS`` when not listed, ablations such as ``ck-qti-unpruned`` left
+    out); the rest are reported as unavailable (GET /healthz, and 400 with the reason when a request
+    names one). The default pipeline must be
     deployable. A relative ``workdir`` is taken from the current directory.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     workdir = str(Path(args.workdir).expanduser().resolve())
     specs = [RetrieverSpec(name=s) if isinstance(s, str) else s for s in (args.retrievers or list(RETRIEVERS))]
-    reranker_names = args.rerankers if args.rerankers is not None else list(RERANKERS)
+    reranker_names = args.rerankers if args.rerankers is not None else [r for r in RERANKERS if served_by_default(r)]
     unavailable: dict[str, dict[str, str]] = {"retrievers": {}, "rerankers": {}}
     retrievers, rerankers = {}, {}
     for spec in specs:

@@ -7,6 +7,7 @@ training's) indexes the synthetic sample once per module with 2 actors; the othe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -295,3 +296,60 @@ def test_ck_qti_pipeline_evaluates_on_the_sample(built):
 def test_missing_index_gives_a_clear_error(tmp_path):
     with pytest.raises(MissingArtifactError, match="build_impact_index.py"):
         ImpactRetriever(str(tmp_path / "impact" / "index"))
+
+
+# --------------------------------------------------------------------------- reranking by stored impacts
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_ck_qti_reranker_orders_candidates_as_the_index_scores_them(built, retriever, tmp_path):
+    """bm25>ck-qti reranks by Σ_{t∈q} s_td over each candidate's stored top-k terms: the index's own
+    scores (up to quantisation), read from the shards of this checkpoint; without shards the model
+    computes the same vectors."""
+    from ckray.data.shards import DocStore
+    from ckray.index.impact_rerank import ImpactReranker
+    from ckray.pipelines import build_reranker, served_by_default
+    from ckray.rerank import CheckpointReranker
+
+    w = built["workdir"]
+    texts = _texts(w)
+    stored = ImpactReranker(str(built["checkpoint"]), str(w), texts.__getitem__)
+    assert stored.source == "shards"
+    queries = {q["_id"]: q["text"] for q in [json.loads(x) for x in open(built["data"] / "queries.jsonl")][::29][:5]}
+    index_run = retriever.search(queries, k=30)
+    first = {q: [(d, 100.0 - i) for i, (d, _) in enumerate(reversed(index_run[q]))] for q in queries}  # reversed
+    reranked = stored.rerank(queries, first, depth=30)
+    for q in queries:
+        got = dict(reranked[q])
+        assert [d for d, _ in reranked[q]] == sorted(got, key=lambda d: -got[d])
+        n_terms = sum(retriever.query_terms([queries[q]])[0].values())
+        for d, s in index_run[q]:
+            assert got[d] == pytest.approx(s, abs=n_terms * 0.5 / retriever.scale + 1e-4)
+
+    # no shards of this checkpoint here: the model computes the vectors (the index's settings)
+    fresh = ImpactReranker(str(built["checkpoint"]), str(tmp_path), texts.__getitem__, config=built["config"])
+    assert fresh.source == "model"
+    docs = [d for d, _ in first[next(iter(queries))]][:6]
+    for a, b in zip(fresh.vectors(docs), stored.vectors(docs)):
+        common = set(a) & set(b)
+        assert len(common) >= 0.9 * len(b)  # terms tied at the top-k cut may swap
+        for t in common:
+            assert a[t] == pytest.approx(b[t], rel=1e-4, abs=1e-5)
+    with pytest.raises(KeyError, match="no-such-doc"):
+        stored.vectors(["no-such-doc"])
+
+    # the pipeline's ck-qti reranker is this one; ck-qti-unpruned runs the model's dense sum
+    (w / "checkpoints").mkdir(exist_ok=True)
+    shutil.copytree(built["checkpoint"], w / "checkpoints" / "ck-qti", dirs_exist_ok=True)
+    try:
+        assert build_reranker("ck-qti", w).source == "shards"
+        assert isinstance(build_reranker("ck-qti-unpruned", w), CheckpointReranker)
+        assert served_by_default("ck-qti") and not served_by_default("ck-qti-unpruned")
+        assert len(DocStore(w)) == 360
+        # the Serve replica reranks with the same lookups (the class itself, called in this process)
+        from ckray.serve import RerankerDeployment
+
+        replica = RerankerDeployment.func_or_class("ck-qti", str(w))
+        q = next(iter(queries))
+        out = asyncio.run(replica.rerank(queries[q], first[q], 30))
+        assert out["hits"] == reranked[q] and out["batch_pairs"] == 30
+    finally:
+        shutil.rmtree(w / "checkpoints" / "ck-qti")

@@ -736,6 +736,24 @@ def read_index_meta(index_dir: str | os.PathLike) -> dict:
 # Retrieval
 # =============================================================================================
 
+def query_term_counts(queries: Sequence[str], max_query_len: int, encoder: str | None) -> list[dict[int, int]]:
+    """Each query's word-piece ids with their counts (training's tokenisation: a repeated term is
+    summed twice in S_qd)."""
+    from ckray.models.ck import tokenize
+
+    if not len(queries):
+        return []
+    ids, mask = tokenize(list(queries), max_query_len, encoder)
+    out = []
+    for row, real in zip(ids.tolist(), mask.tolist()):
+        bag: dict[int, int] = {}
+        for t, r in zip(row, real):
+            if r:
+                bag[t] = bag.get(t, 0) + 1
+        out.append(bag)
+    return out
+
+
 @dataclass
 class ImpactRetriever:
     """Bag-of-terms search over a CK-QTI impact index: ``search(queries, k) -> run`` with scores
@@ -758,19 +776,8 @@ class ImpactRetriever:
 
     def query_terms(self, queries: Sequence[str]) -> list[dict[str, int]]:
         """Each query's bag of word-piece terms: ``{"t<id>": count}`` (training's tokenisation)."""
-        from ckray.models.ck import tokenize
-
-        if not len(queries):
-            return []
-        ids, mask = tokenize(list(queries), int(self.meta["max_query_len"]), self.meta.get("encoder"))
-        out = []
-        for row, m in zip(ids.tolist(), mask.tolist()):
-            bag: dict[str, int] = {}
-            for t, real in zip(row, m):
-                if real:
-                    bag[term_string(t)] = bag.get(term_string(t), 0) + 1
-            out.append(bag)
-        return out
+        bags = query_term_counts(queries, int(self.meta["max_query_len"]), self.meta.get("encoder"))
+        return [{term_string(t): c for t, c in bag.items()} for bag in bags]
 
     @staticmethod
     def _query_string(bag: Mapping[str, int]) -> str:
