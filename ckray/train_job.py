@@ -52,15 +52,16 @@ def training_data(args: argparse.Namespace) -> TrainingData:
     from ckray.data.prepare import prepare_collection
     from ckray.errors import ConfigError
 
+    config = TrainingDataConfig(  # checks the flags before any work
+        split=args.data_split, dev_fraction=args.dev_fraction,
+        negatives_per_positive=args.negatives_per_positive,
+        negative_depth=args.negative_depth, dev_depth=args.dev_depth,
+        max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
+        weak_depth=args.weak_depth)
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if args.data_split not in qrels:
         raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")
     prepare_collection(args.data, args.workdir, split=args.data_split)  # idempotent: works on a fresh workdir
-    config = TrainingDataConfig(split=args.data_split, dev_fraction=args.dev_fraction,
-                                negatives_per_positive=args.negatives_per_positive,
-                                negative_depth=args.negative_depth, dev_depth=args.dev_depth,
-                                max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
-                                weak_depth=args.weak_depth)
     td = build_training_data(args.workdir, queries, qrels[args.data_split], config)
     if td.triples.num_rows == 0:
         raise ConfigError(f"{args.data}: no training triples from split {args.data_split!r} — no non-dev query "

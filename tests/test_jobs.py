@@ -59,6 +59,21 @@ def test_bad_flags_give_clear_errors(tmp_path):
     assert p.returncode == 2 and "not a collection directory" in p.stdout
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--weak-titles", "-1"], "--weak-titles"), (["--weak-depth", "0"], "--weak-depth"),
+    (["--dev-fraction", "1.5"], "--dev-fraction"), (["--negatives-per-positive", "0"], "--negatives-per-positive"),
+    (["--bm25-k1", "0"], "--bm25-k1"), (["--bm25-b", "-0.1"], "--bm25-b")])
+def test_bad_training_flags_are_refused_before_any_work(tmp_path, flags, named):
+    from ckray.errors import ConfigError
+    from ckray.stages import parse_stage_args, train_ck
+
+    w = tmp_path / "w"
+    args = parse_stage_args("train:ck-qti", ["--data", str(tmp_path / "data"), "--workdir", str(w), *flags])
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        train_ck(args)
+    assert not w.exists()  # nothing prepared, sharded or trained
+
+
 STAGE_JOBS = ["train_ck", "train_clear", "train_cedr", "train_qds", "build_impact_index", "build_dense_index"]
 
 

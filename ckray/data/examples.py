@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ckray.errors import ConfigError
+
 Run = dict[str, list[tuple[str, float]]]
 
 
@@ -106,6 +108,18 @@ class TrainingDataConfig:
     # body (title → body pairs, BM25 negatives of the title); 0 = off. Never uses any query or qrels.
     weak_titles: int = 0
     weak_depth: int = 100           # the title's BM25 top-N the weak negatives are sampled from
+
+    def __post_init__(self) -> None:
+        checks = [("dev_fraction", "--dev-fraction", 0 <= self.dev_fraction <= 1, "in [0, 1]"),
+                  ("negatives_per_positive", "--negatives-per-positive", self.negatives_per_positive >= 1, ">= 1"),
+                  ("negative_depth", "--negative-depth", self.negative_depth >= 1, ">= 1"),
+                  ("dev_depth", "--dev-depth", self.dev_depth >= 1, ">= 1"),
+                  ("max_dev_queries", "--max-dev-queries", self.max_dev_queries >= 0, ">= 0"),
+                  ("weak_titles", "--weak-titles", self.weak_titles >= 0, ">= 0 (0 = off)"),
+                  ("weak_depth", "--weak-depth", self.weak_depth >= 1, ">= 1")]
+        for name, flag, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"TrainingDataConfig.{name} ({flag}) must be {rule}, got {getattr(self, name)!r}")
 
 
 @dataclass

@@ -85,6 +85,9 @@ class CKConfig:
             raise ConfigError(f"CKConfig.conv_window must be odd (or 0 for none), not {self.conv_window}")
         if not 0 < self.pool_stride <= self.pool_window:
             raise ConfigError("CKConfig needs 0 < pool_stride <= pool_window")
+        if self.bm25_k1 <= 0 or not 0 <= self.bm25_b <= 1:
+            raise ConfigError(f"CKConfig needs bm25_k1 > 0 (--bm25-k1) and 0 <= bm25_b <= 1 (--bm25-b), "
+                              f"got k1={self.bm25_k1}, b={self.bm25_b}")
 
 
 def tk_config(**overrides) -> CKConfig:
