@@ -1,0 +1,122 @@
+"""CK-QTI: terms kept per document (top-k) against index size and effectiveness, in one run.
+
+    python bench/impact_topk.py --data DIR --workdir W [--checkpoint W/checkpoints/ck-qti] [--ks 32,64,128,256]
+
+``W`` holds the corpus shards and the BM25 index (``jobs/prepare.py``) and the trained CK-QTI checkpoint.
+The documents are scored once, at the largest k, into ``--out`` (default ``W/impact-topk``); each smaller
+k keeps the first k terms of every stored vector (they are sorted by s_td, so this is exactly what a
+build with ``--top-k k`` stores) and gets its own Lucene index. For every k: index size, and nDCG@10 /
+R@100 of ``ck-qti`` (full collection) and ``ck-qti-rerank`` (BM25 top 100, by stored impacts) on the
+dev split of the *training* queries (where k is chosen) and on ``--split`` (reported). Ends with one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckray.cli import setup_logging  # noqa: E402
+
+
+def truncated_copy(src_w: Path, dst_w: Path, k: int) -> None:
+    """``dst_w/impact/shards``: ``src_w``'s impact shards with each vector cut to its first k terms,
+    stamped as a ``--top-k k`` build (so the index job only writes JSON lines and the Lucene index)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from ckray.data.shards import marker_path, mark_done, read_json
+    from ckray.index.impact import impact_shards_dir, impact_table
+
+    out = impact_shards_dir(dst_w)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (dst_w / "shards").exists():
+        os.symlink((src_w / "shards").resolve(), dst_w / "shards")
+    for shard in sorted(impact_shards_dir(src_w).glob("part-*.parquet")):
+        t = pq.read_table(shard)
+        terms = [x[:k] for x in t.column("terms").to_pylist()]
+        weights = [x[:k] for x in t.column("weights").to_pylist()]
+        table = impact_table(t.column("doc_id").to_pylist(), terms, weights)
+        pq.write_table(table, out / shard.name)
+        stamp = {**read_json(marker_path(shard)), "top_k": k}
+        stamp.pop("rows", None)
+        flat = pc.list_flatten(table.column("weights"))
+        stamp["max_weight"] = float(pc.max(flat).as_py() or 0.0) if len(flat) else 0.0
+        mark_done(out / shard.name, stamp)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--checkpoint", default=None, help="default: W/checkpoints/ck-qti")
+    p.add_argument("--ks", default="32,64,128,256")
+    p.add_argument("--out", default=None, help="default: W/impact-topk")
+    p.add_argument("--split", default="test")
+    p.add_argument("--cpus-per-actor", type=float, default=2.0)
+    args = p.parse_args()
+    setup_logging("WARNING")
+    data, w = Path(args.data), Path(args.workdir)
+    if not (data / "corpus.jsonl").exists() and not (data / "collection.tsv").exists():
+        print(f"skip: no collection at {data} (pass --data DIR)")
+        return
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.data.shards import DocStore
+    from ckray.eval import evaluate
+    from ckray.fusion import dev_queries
+    from ckray.index.impact import ImpactConfig, ImpactRetriever, build_impact_index, impact_index_dir
+    from ckray.index.impact_rerank import ImpactReranker
+    from ckray.lexical.bm25 import bm25_retriever
+
+    checkpoint = Path(args.checkpoint or w / "checkpoints" / "ck-qti")
+    ks = sorted(int(k) for k in args.ks.split(","))
+    out = Path(args.out or w / "impact-topk")
+    queries, qrels = read_queries_and_qrels(data)
+    splits = {"dev": dev_queries(queries, qrels, max_queries=10**6),
+              args.split: ({q: queries[q] for q in qrels[args.split] if q in queries}, qrels[args.split])}
+    bm25 = bm25_retriever(w)
+    first = {name: bm25.search(qs, k=100) for name, (qs, _) in splits.items()}
+    store = DocStore(w)
+
+    top = out / f"k{ks[-1]}"
+    top.mkdir(parents=True, exist_ok=True)
+    if not (top / "shards").exists():
+        os.symlink((w / "shards").resolve(), top / "shards")
+    t0 = time.perf_counter()
+    build_impact_index(top, checkpoint, ImpactConfig(top_k=ks[-1], cpus_per_actor=args.cpus_per_actor))
+    print(f"scored at k={ks[-1]} in {time.perf_counter() - t0:.0f}s", flush=True)
+    rows = []
+    for k in ks:
+        wk = out / f"k{k}"
+        if k != ks[-1]:
+            truncated_copy(top, wk, k)
+        s = build_impact_index(wk, checkpoint, ImpactConfig(top_k=k))
+        retriever = ImpactRetriever(str(impact_index_dir(wk)))
+        reranker = ImpactReranker(str(checkpoint), str(wk), store.text)
+        row = {"top_k": k, "index_mb": round(s["index_bytes"] / 2**20, 2)}
+        for name, (qs, judged) in splits.items():
+            full = evaluate(retriever.search(qs, k=1000), judged, ("nDCG@10", "R@100"))
+            rr = evaluate(reranker.rerank(qs, first[name], depth=100), judged, ("nDCG@10",))
+            row[f"{name}_ndcg10"], row[f"{name}_r100"] = round(full["nDCG@10"], 4), round(full["R@100"], 4)
+            row[f"{name}_rerank_ndcg10"] = round(rr["nDCG@10"], 4)
+        rows.append(row)
+        print(row, flush=True)
+    best = max(rows, key=lambda r: r["dev_ndcg10"])
+    print(f"\n{'k':>5} {'MB':>7} {'dev nDCG':>9} {'dev R@100':>9} {'dev rerank':>10} "
+          f"{args.split + ' nDCG':>10} {args.split + ' R@100':>10} {args.split + ' rerank':>11}")
+    for r in rows:
+        print(f"{r['top_k']:>5} {r['index_mb']:>7} {r['dev_ndcg10']:>9} {r['dev_r100']:>9} {r['dev_rerank_ndcg10']:>10} "
+              f"{r[args.split + '_ndcg10']:>10} {r[args.split + '_r100']:>10} {r[args.split + '_rerank_ndcg10']:>11}")
+    print(f"k chosen on dev (full-collection nDCG@10): {best['top_k']}")
+    print(json.dumps({"bench": "impact_topk", "checkpoint": str(checkpoint), "split": args.split,
+                      "chosen_on_dev": best["top_k"], "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
