@@ -80,6 +80,9 @@ def main() -> None:
     queries, qrels = read_queries_and_qrels(data)
     splits = {"dev": dev_queries(queries, qrels, max_queries=10**6),
               args.split: ({q: queries[q] for q in qrels[args.split] if q in queries}, qrels[args.split])}
+    from ckray.ray_env import init_ray
+
+    init_ray()  # before the JVM: Ray's crash handler, installed after it, turns the JVM's own SIGSEGVs fatal
     bm25 = bm25_retriever(w)
     first = {name: bm25.search(qs, k=100) for name, (qs, _) in splits.items()}
     store = DocStore(w)

