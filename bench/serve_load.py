@@ -159,7 +159,7 @@ def main() -> None:
     import torch
     from ray import serve
 
-    from ckray.pipelines import build_pipeline
+    from ckray.pipelines import RERANKER_FACTORIES, build_pipeline
     from ckray.serve import build_app
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -175,8 +175,9 @@ def main() -> None:
     pipeline = f"bm25>{args.reranker}"
 
     torch.set_num_threads(args.torch_threads)
-    local = build_pipeline(pipeline, workdir, rerank_depth=args.rerank_depth,
-                           reranker_options={"batch_size": args.forward_batch_size})
+    # a checkpoint reranker's forward batch; a lookup reranker (ck-qti: stored impacts) has none
+    options = {} if args.reranker in RERANKER_FACTORIES else {"batch_size": args.forward_batch_size}
+    local = build_pipeline(pipeline, workdir, rerank_depth=args.rerank_depth, reranker_options=options)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     one = {"num_replicas": 1}
