@@ -25,30 +25,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckray.cli import setup_logging  # noqa: E402
 
 
+def link_corpus_shards(src_w: Path, dst_w: Path) -> None:
+    """``dst_w/shards`` → ``src_w``'s corpus shards (each k's work directory shares them)."""
+    dst_w.mkdir(parents=True, exist_ok=True)
+    if not (dst_w / "shards").exists():
+        os.symlink((src_w / "shards").resolve(), dst_w / "shards")
+
+
 def truncated_copy(src_w: Path, dst_w: Path, k: int) -> None:
     """``dst_w/impact/shards``: ``src_w``'s impact shards with each vector cut to its first k terms,
     stamped as a ``--top-k k`` build (so the index job only writes JSON lines and the Lucene index)."""
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from ckray.data.shards import marker_path, mark_done, read_json
-    from ckray.index.impact import impact_shards_dir, impact_table
+    from ckray.data.shards import marker_path, read_json
+    from ckray.index.impact import impact_shards_dir, impact_table, write_impact_shard
 
+    link_corpus_shards(src_w, dst_w)
     out = impact_shards_dir(dst_w)
     out.mkdir(parents=True, exist_ok=True)
-    if not (dst_w / "shards").exists():
-        os.symlink((src_w / "shards").resolve(), dst_w / "shards")
     for shard in sorted(impact_shards_dir(src_w).glob("part-*.parquet")):
         t = pq.read_table(shard)
-        terms = [x[:k] for x in t.column("terms").to_pylist()]
-        weights = [x[:k] for x in t.column("weights").to_pylist()]
-        table = impact_table(t.column("doc_id").to_pylist(), terms, weights)
-        pq.write_table(table, out / shard.name)
-        stamp = {**read_json(marker_path(shard)), "top_k": k}
-        stamp.pop("rows", None)
-        flat = pc.list_flatten(table.column("weights"))
-        stamp["max_weight"] = float(pc.max(flat).as_py() or 0.0) if len(flat) else 0.0
-        mark_done(out / shard.name, stamp)
+        table = impact_table(t.column("doc_id").to_pylist(), [x[:k] for x in t.column("terms").to_pylist()],
+                             [x[:k] for x in t.column("weights").to_pylist()])
+        stamp = {key: v for key, v in read_json(marker_path(shard)).items() if key not in ("rows", "max_weight")}
+        write_impact_shard(out / shard.name, table, {**stamp, "top_k": k})  # atomic; marker with its max weight
 
 
 def main() -> None:
@@ -88,9 +88,7 @@ def main() -> None:
     store = DocStore(w)
 
     top = out / f"k{ks[-1]}"
-    top.mkdir(parents=True, exist_ok=True)
-    if not (top / "shards").exists():
-        os.symlink((w / "shards").resolve(), top / "shards")
+    link_corpus_shards(w, top)
     t0 = time.perf_counter()
     build_impact_index(top, checkpoint, ImpactConfig(top_k=ks[-1], cpus_per_actor=args.cpus_per_actor))
     print(f"scored at k={ks[-1]} in {time.perf_counter() - t0:.0f}s", flush=True)

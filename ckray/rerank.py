@@ -57,6 +57,18 @@ def _sorted(docs: list[tuple[str, float]]) -> list[tuple[str, float]]:
     return sorted(docs, key=lambda x: -float(x[1]))  # stable: ties keep their order
 
 
+def rerank_candidates(queries: Mapping[str, str], run: Run, depth: int) -> dict[str, list[str]]:
+    """Each query's top ``depth`` document ids of ``run`` (by score, as strings), checked against ``queries``."""
+    if depth < 0:
+        raise ValueError("depth must be >= 0")
+    out = {}
+    for qid, docs in run.items():
+        if qid not in queries:
+            raise KeyError(f"query {qid!r} is in the run but not in queries")
+        out[qid] = [str(doc_id) for doc_id, _ in _sorted(docs)[:depth]]
+    return out
+
+
 def rerank_pairs(queries: Mapping[str, str], run: Run, doc_text: DocText, depth: int,
                  sort_by_length: bool = True) -> list[dict[str, str]]:
     """The ``(qid, doc_id, query, doc)`` rows to score: each query's top ``depth`` documents.
@@ -64,15 +76,9 @@ def rerank_pairs(queries: Mapping[str, str], run: Run, doc_text: DocText, depth:
     With ``sort_by_length`` rows are ordered by text length so batches hold pairs of similar length
     (less padding; scores do not depend on the batch).
     """
-    if depth < 0:
-        raise ValueError("depth must be >= 0")
     text = _lookup(doc_text)
-    rows = []
-    for qid, docs in run.items():
-        if qid not in queries:
-            raise KeyError(f"query {qid!r} is in the run but not in queries")
-        for doc_id, _ in _sorted(docs)[:depth]:
-            rows.append({"qid": str(qid), "doc_id": str(doc_id), "query": queries[qid], "doc": text(doc_id)})
+    rows = [{"qid": str(qid), "doc_id": doc_id, "query": queries[qid], "doc": text(doc_id)}
+            for qid, doc_ids in rerank_candidates(queries, run, depth).items() for doc_id in doc_ids]
     if sort_by_length:
         rows.sort(key=lambda r: len(r["query"]) + len(r["doc"]))
     return rows

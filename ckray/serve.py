@@ -626,8 +626,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
     Deploys every requested first stage and reranker whose artifacts exist under ``args.workdir``
     (all of ``RETRIEVERS`` / ``RERANKERS`` when not listed, ablations such as ``ck-qti-unpruned`` left
     out); the rest are reported as unavailable (GET /healthz, and 400 with the reason when a request
-    names one). The default pipeline must be
-    deployable. A relative ``workdir`` is taken from the current directory.
+    names one). The default pipeline must be deployable. A relative ``workdir`` is taken from the
+    current directory.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     workdir = str(Path(args.workdir).expanduser().resolve())

@@ -115,15 +115,10 @@ class ImpactReranker:
         return [float(sum(c * vec.get(t, 0.0) for t, c in bag.items())) for vec in self.vectors(doc_ids)]
 
     def rerank(self, queries: Mapping[str, str], run: Run, depth: int = 100) -> Run:
-        from ckray.rerank import _sorted, merge_scores
+        from ckray.rerank import merge_scores, rerank_candidates
 
-        if depth < 0:
-            raise ValueError("depth must be >= 0")
         scores: dict[tuple[str, str], float] = {}
-        for qid, docs in run.items():
-            if qid not in queries:
-                raise KeyError(f"query {qid!r} is in the run but not in queries")
-            top = [str(d) for d, _ in _sorted(docs)[:depth]]
+        for qid, top in rerank_candidates(queries, run, depth).items():
             scores.update({(str(qid), d): s for d, s in zip(top, self.score(queries[qid], top))})
         return merge_scores(run, scores, depth)
 
