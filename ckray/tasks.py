@@ -27,13 +27,27 @@ class CKTask(RankerTask):
     train_mean_len: float | None = None
     name: str = "ck-qti"
     head_lr_multiplier: float = 1.0      # all but the (pretrained) word embeddings train this much faster
+    # How a QTI model's dev candidates are scored when picking checkpoints: "impacts" = Σ of each
+    # document's top-k term impacts, exactly what the impact index and ``ck-qti-rerank`` deploy;
+    # "dense" = the model's forward (Σ over every query term, also those outside the top k)
+    dev_scoring: str = "impacts"
+    dev_top_k: int = 128                 # the impact index's default (ckray.index.impact.ImpactConfig)
+
+    def __post_init__(self) -> None:
+        from ckray.errors import ConfigError
+
+        if self.dev_scoring not in ("impacts", "dense"):
+            raise ConfigError(f"--dev-scoring must be 'impacts' or 'dense', got {self.dev_scoring!r}")
+        if self.dev_top_k < 1:
+            raise ConfigError(f"CKTask.dev_top_k must be ≥ 1, got {self.dev_top_k}")
 
     def build_model(self) -> torch.nn.Module:
         from ckray.models.ck import CKModel
 
         model = CKModel(self.config)
         if self.doc_freq is not None:
-            model.set_idf(torch.as_tensor(self.doc_freq), self.n_docs, self.mean_doc_len)
+            # a copy: the task reaches workers through Ray, whose numpy arrays are read-only
+            model.set_idf(torch.tensor(self.doc_freq), self.n_docs, self.mean_doc_len)
         if self.train_mean_tf is not None and self.train_mean_len is not None and self.mean_doc_len:
             model.start_explicit_as_bm25(self.train_mean_tf, self.train_mean_len, self.mean_doc_len)
         return model
@@ -47,6 +61,20 @@ class CKTask(RankerTask):
         from ckray.models.ck import pairwise_loss
 
         return pairwise_loss(*model.pairwise_scores(batch))
+
+    def score(self, model: torch.nn.Module, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
+        """Dev scores. With QTI and ``dev_scoring="impacts"``: S_qd = Σ_{t∈q} s_td · 1[t ∈ top_k(d)]
+        (``ckray.index.impact_rerank``), so checkpoints are chosen by the scoring that is deployed;
+        each distinct document of the chunk is scored once."""
+        if not (self.config.qti and self.dev_scoring == "impacts"):
+            return model.score_texts(queries, docs)
+        from ckray.index.impact import ImpactConfig, TermImpactScorer, impact_score, query_term_counts
+
+        distinct = list(dict.fromkeys(docs))
+        scored = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k)).score_texts(distinct)
+        vectors = {d: dict(zip(t.tolist(), w.tolist())) for d, (t, w) in zip(distinct, scored)}
+        bags = query_term_counts(queries, self.config.max_query_len, self.config.encoder)
+        return torch.tensor([impact_score(bag, vectors[d]) for bag, d in zip(bags, docs)], dtype=torch.float32)
 
     def param_groups(self, model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict] | None:
         """The pretrained word embeddings at ``lr``; the rest (Conformer blocks, kernels' MLP, the

