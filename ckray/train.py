@@ -265,6 +265,11 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
     print(f"[ckray.train {task.name}] done: {summary.steps} steps, best {METRIC} "
           f"{summary.best_metric:.4f} at step {summary.best_step} -> {output_dir} "
           f"({summary.wall_time:.0f} s)", flush=True)
+    start = next((h[METRIC] for h in summary.history if h.get("step") == 0 and METRIC in h), None)
+    if start is not None and start > summary.best_metric:
+        where = f"the --init-from checkpoint {config.init_from}" if config.init_from else "the untrained model"
+        _LOG.warning("[%s] no trained step beat the starting weights on dev: %s %.4f at step 0 vs %.4f at step %d; "
+                    "%s is the better model", task.name, METRIC, start, summary.best_metric, summary.best_step, where)
     return summary
 
 

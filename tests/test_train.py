@@ -258,15 +258,20 @@ def test_finished_run_with_other_model_settings_names_the_checkpoint(trained):
 
 
 @pytest.mark.slow
-def test_init_from_starts_a_new_run_at_the_saved_weights(trained, tmp_path):
+def test_init_from_starts_a_new_run_at_the_saved_weights(trained, tmp_path, caplog):
     first = trained["first"]
+    # a learning rate 1,000× too high: the 5 steps wreck the saved model, which must then be named
     tuned = fit(ToyTask(), trained["triples"], trained["dev"],
-                _config(tmp_path, workers=1, max_steps=5, eval_every=5, init_from=str(trained["first_out"])))
+                _config(tmp_path, workers=1, max_steps=5, eval_every=5, lr=50.0, warmup_steps=0,
+                        init_from=str(trained["first_out"])))
     assert tuned.start_step == 0 and tuned.steps == 5
     # step 0 (before any update) is the saved model: its dev score, not the untrained one's
     assert tuned.history[0]["step"] == 0
     assert tuned.history[0][METRIC] == pytest.approx(first.best_metric, abs=1e-9)
     assert first.history[0][METRIC] < first.best_metric - 0.25
+    assert tuned.best_metric < tuned.history[0][METRIC]
+    assert "no trained step beat the starting weights" in caplog.text
+    assert f"the --init-from checkpoint {trained['first_out']} is the better model" in caplog.text
 
 
 def test_init_from_a_missing_or_unfitting_checkpoint_is_refused_before_training(tmp_path):
