@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="default: W/impact-topk")
     p.add_argument("--split", default="test")
     p.add_argument("--cpus-per-actor", type=float, default=2.0)
+    p.add_argument("--expansion-candidates", type=int, default=None, help="default: the index job's (256)")
+    p.add_argument("--candidate-pool", choices=("window", "position"), default=None, help="default: the job's")
     args = p.parse_args()
     setup_logging("WARNING")
     data, w = Path(args.data), Path(args.workdir)
@@ -75,6 +77,8 @@ def main() -> None:
     from ckray.lexical.bm25 import bm25_retriever
 
     checkpoint = Path(args.checkpoint or w / "checkpoints" / "ck-qti")
+    candidates = {k: v for k, v in (("expansion_candidates", args.expansion_candidates),
+                                    ("candidate_pool", args.candidate_pool)) if v is not None}
     ks = sorted(int(k) for k in args.ks.split(","))
     out = Path(args.out or w / "impact-topk")
     queries, qrels = read_queries_and_qrels(data)
@@ -90,14 +94,15 @@ def main() -> None:
     top = out / f"k{ks[-1]}"
     link_corpus_shards(w, top)
     t0 = time.perf_counter()
-    build_impact_index(top, checkpoint, ImpactConfig(top_k=ks[-1], cpus_per_actor=args.cpus_per_actor))
+    build_impact_index(top, checkpoint, ImpactConfig(top_k=ks[-1], cpus_per_actor=args.cpus_per_actor,
+                                                         **candidates))
     print(f"scored at k={ks[-1]} in {time.perf_counter() - t0:.0f}s", flush=True)
     rows = []
     for k in ks:
         wk = out / f"k{k}"
         if k != ks[-1]:
             truncated_copy(top, wk, k)
-        s = build_impact_index(wk, checkpoint, ImpactConfig(top_k=k))
+        s = build_impact_index(wk, checkpoint, ImpactConfig(top_k=k, **candidates))
         retriever = ImpactRetriever(str(impact_index_dir(wk)))
         reranker = ImpactReranker(str(checkpoint), str(wk), store.text)
         row = {"top_k": k, "index_mb": round(s["index_bytes"] / 2**20, 2)}
@@ -115,7 +120,7 @@ def main() -> None:
         print(f"{r['top_k']:>5} {r['index_mb']:>7} {r['dev_ndcg10']:>9} {r['dev_r100']:>9} {r['dev_rerank_ndcg10']:>10} "
               f"{r[args.split + '_ndcg10']:>10} {r[args.split + '_r100']:>10} {r[args.split + '_rerank_ndcg10']:>11}")
     print(f"k chosen on dev (full-collection nDCG@10): {best['top_k']}")
-    print(json.dumps({"bench": "impact_topk", "checkpoint": str(checkpoint), "split": args.split,
+    print(json.dumps({"bench": "impact_topk", "checkpoint": str(checkpoint), "split": args.split, **candidates,
                       "chosen_on_dev": best["top_k"], "rows": rows}))
 
 
