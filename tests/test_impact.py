@@ -152,6 +152,25 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
     with pytest.raises(ConfigError, match="--dev-scoring"):
         CKTask(config=model.config, dev_scoring="bm25")
 
+
+def test_stored_impacts_are_flat_arrays_that_give_back_every_vector(tmp_path):
+    from ckray.index.impact import impact_table, write_impact_shard
+    from ckray.index.impact_rerank import StoredImpacts
+
+    vectors = {"a": ([7, 3], [2.5, 0.5]), "empty": ([], []), "b": ([9], [1.0]), "c": ([4, 5, 6], [3.0, 2.0, 1.0])}
+    ids = list(vectors)
+    for i, part in enumerate((ids[:2], ids[2:])):
+        table = impact_table(part, [np.array(vectors[d][0], np.int32) for d in part],
+                             [np.array(vectors[d][1], np.float32) for d in part])
+        write_impact_shard(tmp_path / f"part-{i:05d}.parquet", table, {"top_k": 3})
+    stored = StoredImpacts.read(sorted(tmp_path.glob("part-*.parquet")))
+    assert len(stored) == 4 and stored.top_k == 3 and stored.terms.dtype == np.int32
+    assert stored.nbytes == 5 * 8 + 6 * 4 + 6 * 4  # offsets (n + 1) int64, then 6 terms and 6 weights
+    for d, (terms, weights) in vectors.items():
+        assert stored.vector(d) == dict(zip(terms, weights))
+    with pytest.raises(KeyError):
+        stored.vector("unknown")
+
 # --------------------------------------------------------------------------- the job
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_every_document_exactly_once_after_a_lost_actor(built):
