@@ -380,6 +380,13 @@ def test_ck_qti_reranker_orders_candidates_as_the_index_scores_them(built, retri
         assert len(common) >= 0.9 * len(b)  # terms tied at the top-k cut may swap
         for t in common:
             assert a[t] == pytest.approx(b[t], rel=1e-4, abs=1e-5)
+    # computed vectors are a bounded cache: the least recently used go first, a request's own never
+    more = [d for d, _ in first[next(iter(queries))]]  # docs = more[:6], already computed
+    fresh.cache_documents = 4
+    fresh.vectors(more[:2])                       # docs 0, 1 become the most recent
+    fresh.vectors(more[6:8])
+    assert list(fresh._vectors) == [more[0], more[1], more[6], more[7]]
+    assert len(fresh.vectors(more[8:14])) == 6 and list(fresh._vectors) == more[8:14]
     with pytest.raises(KeyError, match="no-such-doc"):
         stored.vectors(["no-such-doc"])
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +104,8 @@ class ImpactReranker:
     workdir: str
     doc_text: Callable[[str], str]
     config: ImpactConfig = field(default_factory=ImpactConfig)
-    _vectors: dict[str, Vector] = field(default_factory=dict, init=False, repr=False)
+    cache_documents: int = 100_000   # computed vectors kept (least recently used dropped first)
+    _vectors: "OrderedDict[str, Vector]" = field(default_factory=OrderedDict, init=False, repr=False)
     _scorer: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +137,8 @@ class ImpactReranker:
             self._scorer = TermImpactScorer(model, self.config)
         for doc_id, (terms, weights) in zip(doc_ids, self._scorer.score_texts([self.doc_text(d) for d in doc_ids])):
             self._vectors[doc_id] = dict(zip(terms.tolist(), weights.tolist()))
+        while len(self._vectors) > max(self.cache_documents, len(doc_ids)):
+            self._vectors.popitem(last=False)
 
     def vectors(self, doc_ids: Sequence[str]) -> list[Vector]:
         """The impact vectors ``{term id: s_td}`` of ``doc_ids`` (an unknown id is a KeyError naming it)."""
@@ -145,6 +149,9 @@ class ImpactReranker:
                                f"({len(missing)} of {len(doc_ids)} candidates missing)")
             return [self.stored.vector(d) for d in doc_ids]
         missing = list(dict.fromkeys(d for d in doc_ids if d not in self._vectors))
+        for d in dict.fromkeys(doc_ids):
+            if d in self._vectors:
+                self._vectors.move_to_end(d)
         if missing:
             self._compute(missing)
         return [self._vectors[d] for d in doc_ids]
