@@ -416,6 +416,25 @@ def test_rbf_kernels_shared_module_unchanged():
     assert k.n_kernels == 11 and k.mus[0].item() == 1.0
 
 
+def test_rbf_kernels_in_place_inference_equals_the_differentiable_path():
+    """K-NRM Eq. 3's kernel values, exp(-(s - μ_k)² / 2σ_k²) · mask: the in-place path taken without
+    gradients gives the same numbers as the training path, which still backpropagates."""
+    torch.manual_seed(0)
+    k = RBFKernels()
+    sim = (torch.rand(2, 3, 7) * 2 - 1).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.float)[:, None, :]
+    trained = k(sim, mask)
+    direct = torch.exp(-((sim.detach()[..., None] - k.mus) ** 2) / (2 * k.sigmas ** 2)) * mask[..., None]
+    with torch.no_grad():
+        inferred, unmasked = k(sim, mask), k(sim)
+    torch.testing.assert_close(trained.detach(), direct)
+    torch.testing.assert_close(inferred, direct)
+    torch.testing.assert_close(unmasked[1], direct[1])
+    assert inferred[0, :, 4:].abs().sum() == 0 and unmasked[0, :, 4:].abs().sum() > 0
+    trained.sum().backward()
+    assert sim.grad is not None and sim.grad[0, :, 4:].abs().sum() == 0 and sim.grad[1].abs().sum() > 0
+
+
 def test_head_learning_rate_multiplier_leaves_the_word_embeddings_at_the_base_rate():
     from ckray.tasks import CKTask
 

