@@ -68,11 +68,11 @@ class CKTask(RankerTask):
         each distinct document of the chunk is scored once."""
         if not (self.config.qti and self.dev_scoring == "impacts"):
             return model.score_texts(queries, docs)
-        from ckray.index.impact import ImpactConfig, TermImpactScorer, impact_score, query_term_counts
+        from ckray.index.impact import ImpactConfig, TermImpactScorer, impact_score, impact_vector, query_term_counts
 
         distinct = list(dict.fromkeys(docs))
         scored = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k)).score_texts(distinct)
-        vectors = {d: dict(zip(t.tolist(), w.tolist())) for d, (t, w) in zip(distinct, scored)}
+        vectors = {d: impact_vector(t, w) for d, (t, w) in zip(distinct, scored)}
         bags = query_term_counts(queries, self.config.max_query_len, self.config.encoder)
         return torch.tensor([impact_score(bag, vectors[d]) for bag, d in zip(bags, docs)], dtype=torch.float32)
 

@@ -754,6 +754,11 @@ def query_term_counts(queries: Sequence[str], max_query_len: int, encoder: str |
     return out
 
 
+def impact_vector(terms: np.ndarray, weights: np.ndarray) -> dict[int, float]:
+    """A document's impact vector ``{term id: s_td}`` from its parallel term and weight arrays."""
+    return dict(zip(terms.tolist(), weights.tolist()))
+
+
 def impact_score(bag: Mapping[int, int], vector: Mapping[int, float]) -> float:
     """S_qd = Σ_{t∈q} count_t · s_td over the document's stored terms (its impact vector ``{t: s_td}``)."""
     return float(sum(c * vector.get(t, 0.0) for t, c in bag.items()))

@@ -37,7 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
-from ckray.index.impact import ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, query_term_counts
+from ckray.index.impact import (ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, impact_vector,
+                                query_term_counts)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ class StoredImpacts:
     @classmethod
     def read(cls, shards: Sequence[Path]) -> "StoredImpacts":
         table = pa.concat_tables([pq.read_table(s, columns=["doc_id", "terms", "weights"]) for s in shards])
-        table = table.combine_chunks()
         terms = pa.concat_arrays(table.column("terms").chunks or [pa.array([], pa.list_(pa.int32()))])
         weights = pa.concat_arrays(table.column("weights").chunks or [pa.array([], pa.list_(pa.float32()))])
         offsets = terms.offsets.to_numpy().astype(np.int64)
@@ -93,7 +93,7 @@ class StoredImpacts:
     def vector(self, doc_id: str) -> Vector:
         i = self.rows[doc_id]
         a, b = self.offsets[i], self.offsets[i + 1]
-        return dict(zip(self.terms[a:b].tolist(), self.weights[a:b].tolist()))
+        return impact_vector(self.terms[a:b], self.weights[a:b])
 
 
 @dataclass
@@ -136,7 +136,7 @@ class ImpactReranker:
             model = load_ck_model(self.checkpoint).to(default_device()).eval()
             self._scorer = TermImpactScorer(model, self.config)
         for doc_id, (terms, weights) in zip(doc_ids, self._scorer.score_texts([self.doc_text(d) for d in doc_ids])):
-            self._vectors[doc_id] = dict(zip(terms.tolist(), weights.tolist()))
+            self._vectors[doc_id] = impact_vector(terms, weights)
         while len(self._vectors) > max(self.cache_documents, len(doc_ids)):
             self._vectors.popitem(last=False)
 
@@ -148,10 +148,12 @@ class ImpactReranker:
                 raise KeyError(f"document {missing[0]!r} is not in the impact shards under {self.workdir} "
                                f"({len(missing)} of {len(doc_ids)} candidates missing)")
             return [self.stored.vector(d) for d in doc_ids]
-        missing = list(dict.fromkeys(d for d in doc_ids if d not in self._vectors))
+        missing = []
         for d in dict.fromkeys(doc_ids):
             if d in self._vectors:
-                self._vectors.move_to_end(d)
+                self._vectors.move_to_end(d)  # recently used: dropped last
+            else:
+                missing.append(d)
         if missing:
             self._compute(missing)
         return [self._vectors[d] for d in doc_ids]
