@@ -6,6 +6,7 @@ Tasks stay light (configs and small tensors) because they are pickled to every w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,18 +64,27 @@ class CKTask(RankerTask):
         return pairwise_loss(*model.pairwise_scores(batch))
 
     def score(self, model: torch.nn.Module, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
+        return self.dev_scorer(model)(queries, docs, bm25)
+
+    def dev_scorer(self, model: torch.nn.Module) -> Callable[[list[str], list[str], list[float]], torch.Tensor]:
         """Dev scores. With QTI and ``dev_scoring="impacts"``: S_qd = Σ_{t∈q} s_td · 1[t ∈ top_k(d)]
-        (``ckray.index.impact_rerank``), so checkpoints are chosen by the scoring that is deployed;
-        each distinct document of the chunk is scored once."""
+        (``ckray.index.impact_rerank``), so checkpoints are chosen by the scoring that is deployed. The
+        vocabulary's term vectors (expansion candidates) are encoded once per validation, and each
+        distinct document once, however many queries and chunks it appears in."""
         if not (self.config.qti and self.dev_scoring == "impacts"):
-            return model.score_texts(queries, docs)
+            return lambda queries, docs, bm25: model.score_texts(queries, docs)
         from ckray.index.impact import ImpactConfig, TermImpactScorer, impact_score, impact_vector, query_term_counts
 
-        distinct = list(dict.fromkeys(docs))
-        scored = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k)).score_texts(distinct)
-        vectors = {d: impact_vector(t, w) for d, (t, w) in zip(distinct, scored)}
-        bags = query_term_counts(queries, self.config.max_query_len, self.config.encoder)
-        return torch.tensor([impact_score(bag, vectors[d]) for bag, d in zip(bags, docs)], dtype=torch.float32)
+        scorer = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k))
+        vectors: dict[str, dict[int, float]] = {}
+
+        def impact_scores(queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
+            new = [d for d in dict.fromkeys(docs) if d not in vectors]
+            vectors.update({d: impact_vector(t, w) for d, (t, w) in zip(new, scorer.score_texts(new))})
+            bags = query_term_counts(queries, self.config.max_query_len, self.config.encoder)
+            return torch.tensor([impact_score(bag, vectors[d]) for bag, d in zip(bags, docs)], dtype=torch.float32)
+
+        return impact_scores
 
     def param_groups(self, model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict] | None:
         """The pretrained word embeddings at ``lr``; the rest (Conformer blocks, kernels' MLP, the

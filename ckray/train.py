@@ -181,6 +181,11 @@ class RankerTask(ABC):
         """One relevance score per (query, doc) pair; called under ``torch.no_grad`` in eval mode."""
         return model.score_texts(queries, docs)
 
+    def dev_scorer(self, model: torch.nn.Module) -> Callable[[list[str], list[str], list[float]], torch.Tensor]:
+        """``(queries, docs, bm25) -> scores`` for every chunk of one validation, built once per validation
+        from the current weights (a task can precompute there what all chunks share); default :meth:`score`."""
+        return lambda queries, docs, bm25: self.score(model, queries, docs, bm25)
+
     def param_groups(self, model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict] | None:
         """Optional AdamW parameter groups (e.g. a slower learning rate for a pretrained encoder);
         ``None``: one learning rate, no weight decay on biases and norms. Group ``lr`` values are
@@ -811,7 +816,7 @@ def _restore(engine: Any, ckpt_dir: Path, rank: int, cfg: TrainConfig, world: in
 
 
 class _DevEvaluator:
-    """Rerank the dev candidates with ``task.score`` and compute nDCG@10.
+    """Rerank the dev candidates with ``task.dev_scorer(model)`` and compute nDCG@10.
 
     The (query, doc) pairs are cut into chunks of ``batch_size``; rank r scores chunks r, r+W, ...
     and the scores are all-gathered, so every rank returns the same figure. With ``pad`` (ZeRO-3,
@@ -831,14 +836,15 @@ class _DevEvaluator:
         was_training = model.training
         model.eval()
         mine: list[tuple[str, str, float]] = []
+        score = self.task.dev_scorer(model)
         rounds = math.ceil(len(self.chunks) / self.world)
         for r in range(rounds):
             i = r * self.world + self.rank
             if i >= len(self.chunks) and not self.pad:
                 break
             chunk = self.chunks[i] if i < len(self.chunks) else self.chunks[0]
-            scores = self.task.score(model, [self.dev.queries[q] for q, _, _ in chunk],
-                                     [self.dev.doc_text[d] for _, d, _ in chunk], [b for _, _, b in chunk])
+            scores = score([self.dev.queries[q] for q, _, _ in chunk],
+                           [self.dev.doc_text[d] for _, d, _ in chunk], [b for _, _, b in chunk])
             scores = scores.detach().float().reshape(-1).cpu().tolist()
             if len(scores) != len(chunk):
                 raise ConfigError(f"{type(self.task).__name__}.score returned {len(scores)} scores "

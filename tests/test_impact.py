@@ -146,6 +146,11 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
     bags = query_term_counts(queries, model.config.max_query_len, model.config.encoder)
     expected = [impact_score(bag, dict(zip(t.tolist(), w.tolist()))) for bag, (t, w) in zip(bags, vectors)]
     torch.testing.assert_close(top, torch.tensor(expected))
+    score = CKTask(config=model.config, dev_top_k=4).dev_scorer(model)  # one validation, chunk by chunk
+    with torch.no_grad():
+        chunked = torch.cat([score(queries[:2], docs[:2], [0.0] * 2),  # docs[0] again below: from the cache
+                             score([queries[2], queries[0]], [docs[2], docs[0]], [0.0] * 2)])
+    torch.testing.assert_close(chunked, torch.stack([top[0], top[1], top[2], top[0]]))
     assert all(len(t) == 4 for t, _ in vectors[:2])
     assert top[0] < dense[0] and top[1] < dense[1]  # query terms outside the top 4 count in the dense sum only
     assert top[2] == 0.0 < dense[2]                  # no query term among the unrelated document's top 4
