@@ -31,6 +31,12 @@ def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="weak supervision: add N corpus documents' title → body pairs with the title's BM25 "
                         "negatives (0: off)")
     g.add_argument("--weak-depth", type=int, default=d.weak_depth, help="weak negatives from the title's BM25 top-N")
+    g.add_argument("--hard-negative-run", default=None, metavar="RUN",
+                   help="hard negatives mined by a trained model: a TREC run on the training queries, e.g. "
+                        "W/runs/ck-qti-train.trec from jobs/evaluate.py --split train (default: BM25 only)")
+    g.add_argument("--hard-negatives-per-positive", type=int, default=d.hard_negatives_per_positive,
+                   help="of --negatives-per-positive, this many from the run's top --hard-negative-depth")
+    g.add_argument("--hard-negative-depth", type=int, default=d.hard_negative_depth)
     return parser
 
 
@@ -57,7 +63,8 @@ def training_data(args: argparse.Namespace) -> TrainingData:
         negatives_per_positive=args.negatives_per_positive,
         negative_depth=args.negative_depth, dev_depth=args.dev_depth,
         max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
-        weak_depth=args.weak_depth)
+        weak_depth=args.weak_depth, hard_negative_run=args.hard_negative_run,
+        hard_negatives_per_positive=args.hard_negatives_per_positive, hard_negative_depth=args.hard_negative_depth)
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if args.data_split not in qrels:
         raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")

@@ -104,6 +104,45 @@ def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(s
     assert len({q for q, wk in zip(rows["query_id"], is_weak) if wk}) == 5
 
 
+def test_hard_negatives_from_a_mined_run_replace_part_of_the_bm25_ones(sample_workdir, tmp_path):
+    from ckray.data.examples import _read_negatives
+    from ckray.errors import ConfigError
+    from ckray.data.collections import write_trec_run
+
+    data, w = sample_workdir
+    c = load_collection(data)
+    build_negatives(w, c.split_queries("train"), c.qrels["train"], depth=50)
+    bm25, _ = _read_negatives(w, "train")
+    # a "model" that ranks BM25's list backwards: its top 5 are BM25's ranks 46-50, never BM25's favourites
+    mined = {q: [(d, float(i)) for i, (d, _) in enumerate(docs)] for q, docs in bm25.items()}
+    run_file = tmp_path / "mined-train.trec"
+    write_trec_run(mined, run_file, tag="mined")
+    cfg = dict(dev_fraction=0.25, negatives_per_positive=3)
+    plain = build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(**cfg))
+    hard = build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(
+        **cfg, hard_negative_run=str(run_file), hard_negatives_per_positive=2, hard_negative_depth=5))
+    assert hard.triples.num_rows == plain.triples.num_rows and hard.dev.queries == plain.dev.queries
+    per_positive: dict = {}
+    for r in hard.triples.to_pylist():
+        per_positive.setdefault((r["query_id"], r["pos_id"]), []).append(r["neg_id"])
+        assert r["neg_bm25"] == pytest.approx(dict(bm25[r["query_id"]])[r["neg_id"]])  # CLEAR's s_lex(d−)
+    def mined_top5(q):
+        return [d for d, _ in sorted(mined[q], key=lambda x: -x[1]) if c.qrels["train"][q].get(d, 0) <= 0][:5]
+
+    wanted = hits = 0
+    for (q, p), negs in per_positive.items():
+        assert len(set(negs)) == len(negs) == 3
+        assert sum(d in mined_top5(q) for d in negs) >= min(2, len(mined_top5(q))), (q, negs)
+        wanted, hits = wanted + min(2, len(mined_top5(q))), hits + sum(d in mined_top5(q) for d in negs)
+    plain_hits = sum(r["neg_id"] in mined_top5(r["query_id"]) for r in plain.triples.to_pylist())
+    assert hits >= wanted > plain_hits  # BM25 sampling alone rarely picks those 5 of 50
+    with pytest.raises(MissingArtifactError, match="--hard-negative-run .*nope.trec.*--split train"):
+        build_training_data(w, c.queries, c.qrels["train"],
+                            TrainingDataConfig(**cfg, hard_negative_run=str(tmp_path / "nope.trec"), hard_negatives_per_positive=1))
+    with pytest.raises(ConfigError, match="--hard-negatives-per-positive"):
+        TrainingDataConfig(negatives_per_positive=3, hard_negatives_per_positive=4, hard_negative_run=str(run_file))
+
+
 def test_a_training_split_that_yields_no_triples_is_a_clear_error(sample_workdir):
     from ckray.errors import ConfigError
     from ckray.train_job import training_data, training_parser

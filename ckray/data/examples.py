@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckray.errors import ConfigError
+from ckray.errors import ConfigError, MissingArtifactError
 
 Run = dict[str, list[tuple[str, float]]]
 
@@ -108,6 +108,13 @@ class TrainingDataConfig:
     # body (title → body pairs, BM25 negatives of the title); 0 = off. Never uses any query or qrels.
     weak_titles: int = 0
     weak_depth: int = 100           # the title's BM25 top-N the weak negatives are sampled from
+    # hard negatives mined by a trained model: a TREC run on the training queries (e.g. W/runs/ck-qti-train.trec
+    # from ``jobs/evaluate.py --split train``); of each positive's negatives_per_positive, this many come from
+    # the run's top hard_negative_depth non-relevant documents (those in BM25's top negative_depth, whose BM25
+    # score CLEAR's margin needs), the rest from BM25 as without a run
+    hard_negative_run: str | None = None
+    hard_negatives_per_positive: int = 4
+    hard_negative_depth: int = 100
 
     def __post_init__(self) -> None:
         checks = [("dev_fraction", "--dev-fraction", 0 <= self.dev_fraction <= 1, "in [0, 1]"),
@@ -116,7 +123,12 @@ class TrainingDataConfig:
                   ("dev_depth", "--dev-depth", self.dev_depth >= 1, ">= 1"),
                   ("max_dev_queries", "--max-dev-queries", self.max_dev_queries >= 0, ">= 0"),
                   ("weak_titles", "--weak-titles", self.weak_titles >= 0, ">= 0 (0 = off)"),
-                  ("weak_depth", "--weak-depth", self.weak_depth >= 1, ">= 1")]
+                  ("weak_depth", "--weak-depth", self.weak_depth >= 1, ">= 1"),
+                  ("hard_negatives_per_positive", "--hard-negatives-per-positive",
+                   0 <= self.hard_negatives_per_positive <= (self.negatives_per_positive if self.hard_negative_run
+                                                             else self.hard_negatives_per_positive),
+                   f"in [0, --negatives-per-positive = {self.negatives_per_positive}]"),
+                  ("hard_negative_depth", "--hard-negative-depth", self.hard_negative_depth >= 1, ">= 1")]
         for name, flag, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"TrainingDataConfig.{name} ({flag}) must be {rule}, got {getattr(self, name)!r}")
@@ -142,6 +154,7 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     from ckray.data.shards import DocStore
 
     run, pos_bm25 = _read_negatives(workdir, config.split)
+    hard_run = _read_hard_negative_run(config.hard_negative_run) if config.hard_negative_run else {}
     store = DocStore(workdir)
     rng = random.Random(config.seed)
     qids = sorted(q for q in qrels if q in queries and any(r > 0 for r in qrels[q].values()))
@@ -154,8 +167,10 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
         pool = [(d, s) for d, s in run.get(q, [])[: config.negative_depth] if qrels[q].get(d, 0) <= 0]
         if not positives or not pool:
             continue
+        bm25_of = dict(pool)
+        hard = [(d, bm25_of[d]) for d, _ in hard_run.get(q, [])[: config.hard_negative_depth] if d in bm25_of]
         for p in positives:
-            for d, s in rng.sample(pool, min(config.negatives_per_positive, len(pool))):
+            for d, s in _sample_negatives(rng, pool, hard, config):
                 _append_triple(rows, q, queries[q], p, store.text(p), pos_bm25.get((q, p), 0.0), d, store.text(d), s)
     n_supervised = len(rows["query_id"])
     if config.weak_titles > 0:
@@ -172,6 +187,26 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     log.info("training data: %d triples from %d queries (+ %d weak title triples); dev: %d queries × %d candidates",
              n_supervised, len(train_q), triples.num_rows - n_supervised, len(dev_q), config.dev_depth)
     return TrainingData(triples=triples, dev=dev, train_queries=train_q, config=config)
+
+
+def _sample_negatives(rng: random.Random, pool: list[tuple[str, float]], hard: list[tuple[str, float]],
+                      config: TrainingDataConfig) -> list[tuple[str, float]]:
+    """``negatives_per_positive`` distinct (doc, BM25 score): up to ``hard_negatives_per_positive`` from the
+    mined ``hard`` list (empty without a run), the rest from the BM25 ``pool``."""
+    picked = rng.sample(hard, min(config.hard_negatives_per_positive, len(hard))) if hard else []
+    taken = {d for d, _ in picked}
+    rest = [x for x in pool if x[0] not in taken] if picked else pool
+    return picked + rng.sample(rest, min(config.negatives_per_positive - len(picked), len(rest)))
+
+
+def _read_hard_negative_run(path: str) -> Run:
+    """The mined run (``--hard-negative-run``); a missing file names the flag and how to make one."""
+    from ckray.data.collections import read_trec_run
+
+    if not Path(path).exists():
+        raise MissingArtifactError(f"--hard-negative-run {path}: no such run file (make one on the training "
+                                   "queries, e.g. jobs/evaluate.py --pipeline ck-qti --split train)")
+    return read_trec_run(Path(path))
 
 
 def _read_negatives(workdir: str | os.PathLike, split: str) -> tuple[Run, dict[tuple[str, str], float]]:
