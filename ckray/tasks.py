@@ -66,6 +66,11 @@ class CKTask(RankerTask):
     def score(self, model: torch.nn.Module, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
         return self.dev_scorer(model)(queries, docs, bm25)
 
+    @property
+    def dev_scoring_forwards_per_chunk_fixed(self) -> bool:
+        """Impact scoring encodes a chunk's new documents in length-sorted groups: a data-dependent count."""
+        return not (self.config.qti and self.dev_scoring == "impacts")
+
     def dev_scorer(self, model: torch.nn.Module) -> Callable[[list[str], list[str], list[float]], torch.Tensor]:
         """Dev scores. With QTI and ``dev_scoring="impacts"``: S_qd = Σ_{t∈q} s_td · 1[t ∈ top_k(d)]
         (``ckray.index.impact_rerank``), so checkpoints are chosen by the scoring that is deployed. The

@@ -186,6 +186,13 @@ class RankerTask(ABC):
         from the current weights (a task can precompute there what all chunks share); default :meth:`score`."""
         return lambda queries, docs, bm25: self.score(model, queries, docs, bm25)
 
+    @property
+    def dev_scoring_forwards_per_chunk_fixed(self) -> bool:
+        """Whether :meth:`dev_scorer` runs the same number of forward passes for every chunk. ZeRO-3 makes
+        each forward a collective across workers (validation pads every rank to the same number of chunks),
+        so :func:`fit` refuses ZeRO-3 over several workers for a task that says False."""
+        return True
+
     def param_groups(self, model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict] | None:
         """Optional AdamW parameter groups (e.g. a slower learning rate for a pretrained encoder);
         ``None``: one learning rate, no weight decay on biases and norms. Group ``lr`` values are
@@ -216,6 +223,11 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
     t0 = time.time()
     config.validate()
     _validate_dev(dev)
+    if _effective_zero_stage(config, config.workers) == 3 and not task.dev_scoring_forwards_per_chunk_fixed:
+        raise ConfigError(f"{task.name}: its dev scoring runs a data-dependent number of forward passes per chunk, "
+                          "which ZeRO-3 (a collective in every forward) cannot pair across workers; use "
+                          "--zero-stage 2 (the optimizer state is still partitioned) or the task's one-forward "
+                          "dev scoring (CK-QTI: --dev-scoring dense)")
     if isinstance(triples, pa.Table):
         _check_columns(triples.column_names)
         if triples.num_rows < config.workers * config.batch_size:

@@ -154,6 +154,9 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
     assert all(len(t) == 4 for t, _ in vectors[:2])
     assert top[0] < dense[0] and top[1] < dense[1]  # query terms outside the top 4 count in the dense sum only
     assert top[2] == 0.0 < dense[2]                  # no query term among the unrelated document's top 4
+    # ZeRO-3 needs one forward per dev chunk: dense scoring has it, impact scoring (length-sorted groups) not
+    assert CKTask(config=model.config, dev_scoring="dense").dev_scoring_forwards_per_chunk_fixed
+    assert not CKTask(config=model.config).dev_scoring_forwards_per_chunk_fixed
     with pytest.raises(ConfigError, match="--dev-scoring"):
         CKTask(config=model.config, dev_scoring="bm25")
 

@@ -386,6 +386,12 @@ def test_bad_inputs_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="no entry in doc_text"):
         fit(ToyTask(), make_triples(10), broken, _config(tmp_path))
 
+    class ManyForwardsToyTask(ToyTask):  # e.g. CK-QTI's impact dev scoring
+        dev_scoring_forwards_per_chunk_fixed = False
+
+    with pytest.raises(ConfigError, match="ZeRO-3 .* cannot pair across workers; use --zero-stage 2"):
+        fit(ManyForwardsToyTask(), make_triples(40), dev, _config(tmp_path, zero_stage=3))
+
 
 def test_worker_errors_of_ours_are_surfaced_from_rays_wrappers():
     from ray.exceptions import RayTaskError
