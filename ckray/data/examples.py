@@ -110,8 +110,8 @@ class TrainingDataConfig:
     weak_depth: int = 100           # the title's BM25 top-N the weak negatives are sampled from
     # hard negatives mined by a trained model: a TREC run on the training queries (e.g. W/runs/ck-qti-train.trec
     # from ``jobs/evaluate.py --split train``); of each positive's negatives_per_positive, this many come from
-    # the run's top hard_negative_depth non-relevant documents (those in BM25's top negative_depth, whose BM25
-    # score CLEAR's margin needs), the rest from BM25 as without a run
+    # the non-relevant documents in the run's top hard_negative_depth (those also in BM25's top negative_depth,
+    # whose BM25 score CLEAR's margin needs), the rest from BM25 as without a run
     hard_negative_run: str | None = None
     hard_negatives_per_positive: int = 4
     hard_negative_depth: int = 100
