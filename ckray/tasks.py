@@ -67,16 +67,20 @@ class CKTask(RankerTask):
         return self.dev_scorer(model)(queries, docs, bm25)
 
     @property
+    def _scores_dev_by_impacts(self) -> bool:
+        return bool(self.config.qti) and self.dev_scoring == "impacts"
+
+    @property
     def dev_scoring_forwards_per_chunk_fixed(self) -> bool:
         """Impact scoring encodes a chunk's new documents in length-sorted groups: a data-dependent count."""
-        return not (self.config.qti and self.dev_scoring == "impacts")
+        return not self._scores_dev_by_impacts
 
     def dev_scorer(self, model: torch.nn.Module) -> Callable[[list[str], list[str], list[float]], torch.Tensor]:
         """Dev scores. With QTI and ``dev_scoring="impacts"``: S_qd = Σ_{t∈q} s_td · 1[t ∈ top_k(d)]
         (``ckray.index.impact_rerank``), so checkpoints are chosen by the scoring that is deployed. The
         vocabulary's term vectors (expansion candidates) are encoded once per validation, and each
         distinct document once, however many queries and chunks it appears in."""
-        if not (self.config.qti and self.dev_scoring == "impacts"):
+        if not self._scores_dev_by_impacts:
             return lambda queries, docs, bm25: model.score_texts(queries, docs)
         from ckray.index.impact import ImpactConfig, TermImpactScorer, impact_score, impact_vector, query_term_counts
 

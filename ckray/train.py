@@ -859,7 +859,7 @@ class _DevEvaluator:
                            [self.dev.doc_text[d] for _, d, _ in chunk], [b for _, _, b in chunk])
             scores = scores.detach().float().reshape(-1).cpu().tolist()
             if len(scores) != len(chunk):
-                raise ConfigError(f"{type(self.task).__name__}.score returned {len(scores)} scores "
+                raise ConfigError(f"{type(self.task).__name__}.dev_scorer returned {len(scores)} scores "
                                   f"for {len(chunk)} pairs")
             if i < len(self.chunks):
                 mine += [(q, d, s) for (q, d, _), s in zip(chunk, scores)]

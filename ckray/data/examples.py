@@ -125,8 +125,8 @@ class TrainingDataConfig:
                   ("weak_titles", "--weak-titles", self.weak_titles >= 0, ">= 0 (0 = off)"),
                   ("weak_depth", "--weak-depth", self.weak_depth >= 1, ">= 1"),
                   ("hard_negatives_per_positive", "--hard-negatives-per-positive",
-                   0 <= self.hard_negatives_per_positive <= (self.negatives_per_positive if self.hard_negative_run
-                                                             else self.hard_negatives_per_positive),
+                   self.hard_negatives_per_positive >= 0 and (
+                       not self.hard_negative_run or self.hard_negatives_per_positive <= self.negatives_per_positive),
                    f"in [0, --negatives-per-positive = {self.negatives_per_positive}]"),
                   ("hard_negative_depth", "--hard-negative-depth", self.hard_negative_depth >= 1, ">= 1")]
         for name, flag, ok, rule in checks:
@@ -193,9 +193,9 @@ def _sample_negatives(rng: random.Random, pool: list[tuple[str, float]], hard: l
                       config: TrainingDataConfig) -> list[tuple[str, float]]:
     """``negatives_per_positive`` distinct (doc, BM25 score): up to ``hard_negatives_per_positive`` from the
     mined ``hard`` list (empty without a run), the rest from the BM25 ``pool``."""
-    picked = rng.sample(hard, min(config.hard_negatives_per_positive, len(hard))) if hard else []
+    picked = rng.sample(hard, min(config.hard_negatives_per_positive, len(hard)))  # none drawn: no random call
     taken = {d for d, _ in picked}
-    rest = [x for x in pool if x[0] not in taken] if picked else pool
+    rest = [x for x in pool if x[0] not in taken]
     return picked + rng.sample(rest, min(config.negatives_per_positive - len(picked), len(rest)))
 
 
