@@ -56,6 +56,11 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CK-QTI checkpoints are picked on dev by Σ of each document's top-128 term impacts (as "
                    "the impact index and ck-qti-rerank score; 100 SciFact dev queries take 76 s against 72 s "
                    "dense on 2 CPU cores) or by the model's dense Σ over all query terms")
+    g.add_argument("--train-top-k", type=int, default=0,
+                   help="train as the impact index deploys: a query term counts only as far as it is among the "
+                   "document's top k terms (a sigmoid gate at the k-th best own term's s_td); 0 = off")
+    g.add_argument("--gate-temperature", type=float, default=0.1,
+                   help="the gate's width as a fraction of the document's threshold s_td (with --train-top-k)")
     return p
 
 
@@ -84,7 +89,8 @@ def train_ck(args: argparse.Namespace):
              config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
                   mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
-                  name=name, head_lr_multiplier=args.head_lr_multiplier, dev_scoring=args.dev_scoring)
+                  name=name, head_lr_multiplier=args.head_lr_multiplier, dev_scoring=args.dev_scoring,
+                  train_top_k=args.train_top_k, gate_temperature=args.gate_temperature)
     return run_training(task, args, name, td=td, **{**CK_TRAIN_DEFAULTS, "lr": args.default_lr})
 
 

@@ -33,6 +33,10 @@ class CKTask(RankerTask):
     # "dense" = the model's forward (Σ over every query term, also those outside the top k)
     dev_scoring: str = "impacts"
     dev_top_k: int = 128                 # the impact index's default (ckray.index.impact.ImpactConfig)
+    # Train as deployed: > 0 gates each query term by the document's top-k cut (CKModel.forward's
+    # keep_top_k; 0 = the plain Σ over every query term), with temperature τ
+    train_top_k: int = 0
+    gate_temperature: float = 0.1
 
     def __post_init__(self) -> None:
         from ckray.errors import ConfigError
@@ -41,6 +45,11 @@ class CKTask(RankerTask):
             raise ConfigError(f"--dev-scoring must be 'impacts' or 'dense', got {self.dev_scoring!r}")
         if self.dev_top_k < 1:
             raise ConfigError(f"CKTask.dev_top_k must be ≥ 1, got {self.dev_top_k}")
+        if self.train_top_k < 0 or (self.train_top_k and not self.config.qti):
+            raise ConfigError(f"--train-top-k must be ≥ 0 and needs a QTI model, got {self.train_top_k} "
+                              f"with qti={self.config.qti}")
+        if self.gate_temperature <= 0:
+            raise ConfigError(f"--gate-temperature must be > 0, got {self.gate_temperature}")
 
     def build_model(self) -> torch.nn.Module:
         from ckray.models.ck import CKModel
@@ -61,7 +70,7 @@ class CKTask(RankerTask):
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         from ckray.models.ck import pairwise_loss
 
-        return pairwise_loss(*model.pairwise_scores(batch))
+        return pairwise_loss(*model.pairwise_scores(batch, self.train_top_k, self.gate_temperature))
 
     def score(self, model: torch.nn.Module, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
         return self.dev_scorer(model)(queries, docs, bm25)

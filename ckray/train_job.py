@@ -94,7 +94,7 @@ def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: Trai
         "steps": result.steps, "examples_seen": result.examples_seen, "wall_time_s": result.wall_time,
         "train_triples": td.triples.num_rows, "weak_triples": td.weak_triples,
         "train_queries": len(td.train_queries), "dev_queries": len(td.dev),
-        "dev_scoring": getattr(task, "dev_scoring", "model"),
+        "dev_scoring": getattr(task, "dev_scoring", "model"), "train_top_k": getattr(task, "train_top_k", 0),
         "config": dataclasses.asdict(config), "data_config": dataclasses.asdict(td.config), "history": result.history,
     }
     if previous is not None and result.steps == result.start_step and not result.attempts \

@@ -146,6 +146,41 @@ def test_qti_query_score_is_the_sum_of_its_terms():
     assert (scores > 0).all()
 
 
+def test_keep_top_k_counts_a_query_term_only_among_the_documents_k_best_terms():
+    """Training as deployed (``forward(keep_top_k=k)``): θ_d is the k-th best s_td of the document's own
+    terms; as τ → 0 the gate is the impact index's hard cut (a term exactly at θ_d counts half, σ(0))."""
+    model = _model()
+    q, qm, d, dm = _batch(T=7)
+    k = 5
+    with torch.no_grad():
+        doc = model.encode_documents(d, dm)
+        theta = model.impact_thresholds(doc, k)
+        for b, own in enumerate(doc.unique_terms()):
+            assert len(own) > k
+            s_own = model.term_scores(own, doc.select([b]))[0]
+            assert theta[b] == s_own.sort(descending=True).values[k - 1]
+        s = model.term_scores(q, doc, qm)
+        kept = (s > theta[:, None]).float() + 0.5 * (s == theta[:, None]).float()
+        deployed = (s * kept * qm).sum(-1)
+        gated = model(q, qm, d, dm, keep_top_k=k, gate_temperature=1e-6)
+        dense = model(q, qm, d, dm)
+        torch.testing.assert_close(gated, deployed, atol=1e-4, rtol=1e-4)
+        assert (gated < dense - 1e-3).all() and (kept[qm] == 0).any()  # some query terms are cut
+        assert torch.equal(model.impact_thresholds(doc, 60), torch.zeros(3))  # k ≥ every document's terms
+        torch.testing.assert_close(model(q, qm, d, dm, keep_top_k=60), dense)
+        soft = model(q, qm, d, dm, keep_top_k=k, gate_temperature=0.1)
+        assert (deployed - 1e-3 < soft).all() and (soft < dense).all()
+    # in training: the threshold pass runs in eval mode and leaves batch scaling's running means alone
+    plain, top = _model().train(), _model().train()
+    plain(q, qm, d, dm)
+    loss = top(q, qm, d, dm, keep_top_k=k).sum()
+    assert top.training
+    for a, b in zip(plain.buffers(), top.buffers()):
+        assert torch.equal(a, b)
+    loss.backward()
+    assert top.alpha_logit.grad is not None and top.alpha_logit.grad.abs() > 0
+
+
 def test_term_scores_over_many_candidates_chunked_equals_unchunked():
     model = _model()
     _, _, d, dm = _batch()

@@ -159,6 +159,10 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
     assert not CKTask(config=model.config).dev_scoring_forwards_per_chunk_fixed
     with pytest.raises(ConfigError, match="--dev-scoring"):
         CKTask(config=model.config, dev_scoring="bm25")
+    with pytest.raises(ConfigError, match="--train-top-k"):
+        CKTask(config=small_config(qti=False), train_top_k=128)
+    with pytest.raises(ConfigError, match="--gate-temperature"):
+        CKTask(config=model.config, train_top_k=128, gate_temperature=0.0)
 
 
 def test_stored_impacts_are_flat_arrays_that_give_back_every_vector(tmp_path):

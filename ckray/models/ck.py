@@ -599,14 +599,48 @@ class CKModel(nn.Module):
             out.append(self._combine(ids, self.encode_query_terms(ids), doc, None))
         return torch.cat(out, dim=-1)
 
+    @torch.no_grad()
+    def impact_thresholds(self, doc: DocRepr, top_k: int, chunk_size: int = 64) -> torch.Tensor:
+        """θ_d: the k-th largest s_td among each document's own distinct terms, scored as the impact
+        index scores them (eval mode, so batch scaling uses its running E[x]); 0 where a document has
+        at most k distinct terms (the index keeps all of them). Returns [B] (float32)."""
+        own = doc.unique_terms()
+        U = max([1] + [len(t) for t in own])
+        ids = torch.zeros(len(own), U, dtype=torch.long, device=doc.ids.device)
+        mask = torch.zeros(len(own), U, dtype=torch.bool, device=doc.ids.device)
+        for b, t in enumerate(own):
+            ids[b, :len(t)], mask[b, :len(t)] = t, True
+        was_training = self.training
+        self.eval()
+        try:
+            scores = self.term_scores(ids, doc, chunk_size=chunk_size).float().masked_fill(~mask, -math.inf)
+        finally:
+            self.train(was_training)
+        if U <= top_k:
+            return torch.zeros(len(own), device=scores.device)
+        kth = scores.topk(top_k, dim=1).values[:, -1]
+        return torch.where(mask.sum(1) > top_k, kth, torch.zeros_like(kth))
+
     # ----------------------------------------------------------------- query-document scores
     def forward(self, query_ids: torch.Tensor, query_mask: torch.Tensor, doc_ids: torch.Tensor,
-                doc_mask: torch.Tensor) -> torch.Tensor:
-        """S_qd = Σ_{t ∈ q} s_td over the real query terms (QTI's decomposition). Returns [B]."""
+                doc_mask: torch.Tensor, keep_top_k: int = 0, gate_temperature: float = 0.1) -> torch.Tensor:
+        """S_qd = Σ_{t ∈ q} s_td over the real query terms (QTI's decomposition). Returns [B].
+
+        ``keep_top_k = k`` trains what the impact index deploys: it keeps only a document's k best
+        terms, so a query term counts only where s_td ≥ θ_d (``impact_thresholds``). A hard cut would
+        give a cut term no gradient, so the cut is relaxed into a gate,
+
+            S_qd = Σ_t s_td · σ((s_td − θ_d) / (τ·θ_d)),    τ = ``gate_temperature``
+
+        (a term at the threshold counts half, one 30 % above it 95 % at τ = 0.1; no gate where θ_d = 0)."""
         query_mask = query_mask.bool()
         doc = self.encode_documents(doc_ids, doc_mask)
         q = self.encode_queries(query_ids, query_mask)
         s = self._combine(query_ids, q, doc, query_mask)
+        if keep_top_k:
+            theta = self.impact_thresholds(doc, keep_top_k).to(s.dtype)[:, None]
+            gate = torch.sigmoid((s - theta) / (gate_temperature * theta).clamp(min=1e-12))
+            s = s * torch.where(theta > 0, gate, torch.ones_like(gate))
         return (s * query_mask.to(s.dtype)).sum(-1)
 
     def tokenize_queries(self, queries: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,13 +664,15 @@ class CKModel(nn.Module):
         return torch.cat(out) if out else torch.zeros(0)
 
     # ----------------------------------------------------------------- pairwise training
-    def pairwise_scores(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def pairwise_scores(self, batch: Mapping[str, torch.Tensor], keep_top_k: int = 0,
+                        gate_temperature: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores of (query, positive) and (query, negative) from a ``CKCollator`` batch, computed as
-        one batch of 2B pairs so batch scaling sees positives and negatives together."""
+        one batch of 2B pairs so batch scaling sees positives and negatives together
+        (``keep_top_k``/``gate_temperature``: see ``forward``)."""
         B = batch["query_ids"].shape[0]
         scores = self(batch["query_ids"].repeat(2, 1), batch["query_mask"].repeat(2, 1),
                       torch.cat([batch["pos_ids"], batch["neg_ids"]]),
-                      torch.cat([batch["pos_mask"], batch["neg_mask"]]))
+                      torch.cat([batch["pos_mask"], batch["neg_mask"]]), keep_top_k, gate_temperature)
         return scores[:B], scores[B:]
 
 
