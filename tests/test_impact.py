@@ -182,6 +182,11 @@ def test_stored_impacts_are_flat_arrays_that_give_back_every_vector(tmp_path):
         assert stored.vector(d) == dict(zip(terms, weights))
     with pytest.raises(KeyError):
         stored.vector("unknown")
+    broken = pa.table({"doc_id": ["x", "y"], "terms": pa.array([[1], [2, 3]], pa.list_(pa.int32())),
+                       "weights": pa.array([[1.0], [2.0]], pa.list_(pa.float32()))})
+    write_impact_shard(tmp_path / "part-00002.parquet", broken, {"top_k": 3})
+    with pytest.raises(ValueError, match=r"part-00002\.parquet: document 'y' has 2 terms but 1 weights"):
+        StoredImpacts.read(sorted(tmp_path.glob("part-*.parquet")))
 
 # --------------------------------------------------------------------------- the job
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores

@@ -72,12 +72,17 @@ class StoredImpacts:
 
     @classmethod
     def read(cls, shards: Sequence[Path]) -> "StoredImpacts":
-        table = pa.concat_tables([pq.read_table(s, columns=["doc_id", "terms", "weights"]) for s in shards])
+        tables = [pq.read_table(s, columns=["doc_id", "terms", "weights"]) for s in shards]
+        table = pa.concat_tables(tables)
         terms = pa.concat_arrays(table.column("terms").chunks or [pa.array([], pa.list_(pa.int32()))])
         weights = pa.concat_arrays(table.column("weights").chunks or [pa.array([], pa.list_(pa.float32()))])
         offsets = terms.offsets.to_numpy().astype(np.int64)
-        if not np.array_equal(offsets, weights.offsets.to_numpy()):
-            raise ValueError(f"impact shards {[str(s) for s in shards]}: a row's terms and weights differ in length")
+        n_terms, n_weights = np.diff(offsets), np.diff(weights.offsets.to_numpy())
+        for row in np.flatnonzero(n_terms != n_weights)[:1]:  # the first bad row, named by shard and doc id
+            shard = shards[int(np.searchsorted(np.cumsum([t.num_rows for t in tables]), row, side="right"))]
+            raise ValueError(f"impact shard {shard}: document {table.column('doc_id')[row].as_py()!r} has "
+                             f"{n_terms[row]} terms but {n_weights[row]} weights; rebuild it with "
+                             "jobs/build_impact_index.py")
         top_ks = {read_json(marker_path(s)).get("top_k") for s in shards}
         return cls(rows={d: i for i, d in enumerate(table.column("doc_id").to_pylist())}, offsets=offsets,
                    terms=terms.values.to_numpy(), weights=weights.values.to_numpy(),
