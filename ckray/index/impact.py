@@ -261,6 +261,8 @@ class TermImpactScorer:
         """Own distinct terms ∪ expansion terms, padded: (ids [B, T] long, mask [B, T] bool)."""
         import torch
 
+        from ckray.models.ck import pad_term_lists
+
         exp = self.expansion(doc, self.config.expansion_candidates)
         per_doc = []
         for b, own in enumerate(doc.unique_terms()):
@@ -268,13 +270,7 @@ class TermImpactScorer:
                 per_doc.append(own)
             else:
                 per_doc.append(torch.unique(torch.cat([own, exp[b]])))
-        T = max([1] + [len(c) for c in per_doc])
-        ids = torch.zeros(len(per_doc), T, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(per_doc), T, dtype=torch.bool, device=self.device)
-        for b, c in enumerate(per_doc):
-            ids[b, :len(c)] = c
-            mask[b, :len(c)] = True
-        return ids, mask
+        return pad_term_lists(per_doc, self.device)
 
     # ----------------------------------------------------------------- scoring
     def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:

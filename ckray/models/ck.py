@@ -321,6 +321,16 @@ class DocRepr:
                        self.length[index])
 
 
+def pad_term_lists(terms: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-document term id lists → (ids [B, T] long, mask [B, T] bool), padded with 0 (T ≥ 1)."""
+    T = max([1] + [len(t) for t in terms])
+    ids = torch.zeros(len(terms), T, dtype=torch.long, device=device)
+    mask = torch.zeros(len(terms), T, dtype=torch.bool, device=device)
+    for b, t in enumerate(terms):
+        ids[b, :len(t)], mask[b, :len(t)] = t, True
+    return ids, mask
+
+
 # --------------------------------------------------------------------------- tokenisation
 def tokenize(texts: Sequence[str], max_len: int, encoder: str | None = None,
              pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -604,12 +614,8 @@ class CKModel(nn.Module):
         """θ_d: the k-th largest s_td among each document's own distinct terms, scored as the impact
         index scores them (eval mode, so batch scaling uses its running E[x]); 0 where a document has
         at most k distinct terms (the index keeps all of them). Returns [B] (float32)."""
-        own = doc.unique_terms()
-        U = max([1] + [len(t) for t in own])
-        ids = torch.zeros(len(own), U, dtype=torch.long, device=doc.ids.device)
-        mask = torch.zeros(len(own), U, dtype=torch.bool, device=doc.ids.device)
-        for b, t in enumerate(own):
-            ids[b, :len(t)], mask[b, :len(t)] = t, True
+        ids, mask = pad_term_lists(doc.unique_terms(), doc.ids.device)
+        U = ids.shape[1]
         was_training = self.training
         self.eval()
         try:
@@ -617,7 +623,7 @@ class CKModel(nn.Module):
         finally:
             self.train(was_training)
         if U <= top_k:
-            return torch.zeros(len(own), device=scores.device)
+            return torch.zeros(len(ids), device=scores.device)
         kth = scores.topk(top_k, dim=1).values[:, -1]
         return torch.where(mask.sum(1) > top_k, kth, torch.zeros_like(kth))
 
