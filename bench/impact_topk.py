@@ -1,14 +1,17 @@
 """CK-QTI: terms kept per document (top-k) against index size and effectiveness, in one run.
 
     python bench/impact_topk.py --data DIR --workdir W [--checkpoint W/checkpoints/ck-qti] [--ks 32,64,128,256]
+                                [--explicit-weights 0,0.5,1]
 
 ``W`` holds the corpus shards and the BM25 index (``jobs/prepare.py``) and the trained CK-QTI checkpoint.
 The documents are scored once, at the largest k, into ``--out`` (default ``W/impact-topk``); each smaller
 k keeps the first k terms of every stored vector (they are sorted by s_td, so this is exactly what a
 build with ``--top-k k`` stores) and gets its own Lucene index. For every k: index size, and nDCG@10 /
 R@100 of ``ck-qti`` (full collection) and ``ck-qti-rerank`` (BM25 top 100, by stored impacts) on the
-dev split of the *training* queries (where k is chosen) and on ``--split`` (reported). Ends with one
-JSON line.
+dev split of the *training* queries (where k is chosen) and on ``--split`` (reported). Each exact-match
+weight β of ``--explicit-weights`` (``ImpactConfig.explicit_weight``: stored w_td = s_td + β·s_explicit_td)
+is scored once at the largest k under ``--out/b<β>``; the (β, k) with the best dev nDCG@10 is the choice.
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main() -> None:
     p.add_argument("--workdir", required=True)
     p.add_argument("--checkpoint", default=None, help="default: W/checkpoints/ck-qti")
     p.add_argument("--ks", default="32,64,128,256")
+    p.add_argument("--explicit-weights", default="0", help="β values (comma-separated); 0 = the model's s_td")
     p.add_argument("--out", default=None, help="default: W/impact-topk")
     p.add_argument("--split", default="test")
     p.add_argument("--cpus-per-actor", type=float, default=2.0)
@@ -91,37 +95,42 @@ def main() -> None:
     first = {name: bm25.search(qs, k=100) for name, (qs, _) in splits.items()}
     store = DocStore(w)
 
-    top = out / f"k{ks[-1]}"
-    link_corpus_shards(w, top)
-    t0 = time.perf_counter()
-    build_impact_index(top, checkpoint, ImpactConfig(top_k=ks[-1], cpus_per_actor=args.cpus_per_actor,
-                                                         **candidates))
-    print(f"scored at k={ks[-1]} in {time.perf_counter() - t0:.0f}s", flush=True)
     rows = []
-    for k in ks:
-        wk = out / f"k{k}"
-        if k != ks[-1]:
-            truncated_copy(top, wk, k)
-        s = build_impact_index(wk, checkpoint, ImpactConfig(top_k=k, **candidates))
-        retriever = ImpactRetriever(str(impact_index_dir(wk)))
-        reranker = ImpactReranker(str(checkpoint), str(wk), store.text)
-        row = {"top_k": k, "index_mb": round(s["index_bytes"] / 2**20, 2)}
-        for name, (qs, judged) in splits.items():
-            full = evaluate(retriever.search(qs, k=1000), judged, ("nDCG@10", "R@100"))
-            rr = evaluate(reranker.rerank(qs, first[name], depth=100), judged, ("nDCG@10",))
-            row[f"{name}_ndcg10"], row[f"{name}_r100"] = round(full["nDCG@10"], 4), round(full["R@100"], 4)
-            row[f"{name}_rerank_ndcg10"] = round(rr["nDCG@10"], 4)
-        rows.append(row)
-        print(row, flush=True)
+    for beta in sorted(float(b) for b in args.explicit_weights.split(",")):
+        base = out if beta == 0 else out / f"b{beta:g}"  # β = 0 keeps the layout of earlier runs
+        top = base / f"k{ks[-1]}"
+        link_corpus_shards(w, top)
+        t0 = time.perf_counter()
+        build_impact_index(top, checkpoint, ImpactConfig(top_k=ks[-1], explicit_weight=beta,
+                                                             cpus_per_actor=args.cpus_per_actor, **candidates))
+        print(f"scored at k={ks[-1]}, explicit weight {beta:g} in {time.perf_counter() - t0:.0f}s", flush=True)
+        for k in ks:
+            wk = base / f"k{k}"
+            if k != ks[-1]:
+                truncated_copy(top, wk, k)
+            config = ImpactConfig(top_k=k, explicit_weight=beta, **candidates)
+            s = build_impact_index(wk, checkpoint, config)
+            retriever = ImpactRetriever(str(impact_index_dir(wk)))
+            reranker = ImpactReranker(str(checkpoint), str(wk), store.text, config=config)
+            row = {"explicit_weight": beta, "top_k": k, "index_mb": round(s["index_bytes"] / 2**20, 2)}
+            for name, (qs, judged) in splits.items():
+                full = evaluate(retriever.search(qs, k=1000), judged, ("nDCG@10", "R@100"))
+                rr = evaluate(reranker.rerank(qs, first[name], depth=100), judged, ("nDCG@10",))
+                row[f"{name}_ndcg10"], row[f"{name}_r100"] = round(full["nDCG@10"], 4), round(full["R@100"], 4)
+                row[f"{name}_rerank_ndcg10"] = round(rr["nDCG@10"], 4)
+            rows.append(row)
+            print(row, flush=True)
     best = max(rows, key=lambda r: r["dev_ndcg10"])
-    print(f"\n{'k':>5} {'MB':>7} {'dev nDCG':>9} {'dev R@100':>9} {'dev rerank':>10} "
+    print(f"\n{'β':>5} {'k':>5} {'MB':>7} {'dev nDCG':>9} {'dev R@100':>9} {'dev rerank':>10} "
           f"{args.split + ' nDCG':>10} {args.split + ' R@100':>10} {args.split + ' rerank':>11}")
     for r in rows:
-        print(f"{r['top_k']:>5} {r['index_mb']:>7} {r['dev_ndcg10']:>9} {r['dev_r100']:>9} {r['dev_rerank_ndcg10']:>10} "
+        print(f"{r['explicit_weight']:>5g} {r['top_k']:>5} {r['index_mb']:>7} {r['dev_ndcg10']:>9} {r['dev_r100']:>9} "
+              f"{r['dev_rerank_ndcg10']:>10} "
               f"{r[args.split + '_ndcg10']:>10} {r[args.split + '_r100']:>10} {r[args.split + '_rerank_ndcg10']:>11}")
-    print(f"k chosen on dev (full-collection nDCG@10): {best['top_k']}")
+    print(f"chosen on dev (full-collection nDCG@10): explicit weight {best['explicit_weight']:g}, k={best['top_k']}")
     print(json.dumps({"bench": "impact_topk", "checkpoint": str(checkpoint), "split": args.split, **candidates,
-                      "chosen_on_dev": best["top_k"], "rows": rows}))
+                      "chosen_on_dev": {"explicit_weight": best["explicit_weight"], "top_k": best["top_k"]},
+                      "rows": rows}))
 
 
 if __name__ == "__main__":

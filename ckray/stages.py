@@ -225,8 +225,13 @@ def add_actor_pool_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_impact_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.index.impact import ImpactConfig
+
     p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
     p.add_argument("--top-k", type=int, default=128, help="terms kept per document")
+    p.add_argument("--explicit-weight", type=float, default=ImpactConfig.explicit_weight,
+                   help="β: store s_td + β·(the model's exact-match score, Eq. 9) per term; choose it on held-out "
+                   "training queries with bench/impact_topk.py --explicit-weights")
     p.add_argument("--expansion-candidates", type=int, default=256,
                    help="vocabulary terms added to a document's own terms as candidates")
     p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
@@ -247,7 +252,8 @@ def build_impact(args: argparse.Namespace) -> dict:
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
     _check_checkpoint(checkpoint)  # a clear error before any work
-    config = ImpactConfig(top_k=args.top_k, expansion_candidates=args.expansion_candidates,
+    config = ImpactConfig(top_k=args.top_k, explicit_weight=args.explicit_weight,
+                          expansion_candidates=args.expansion_candidates,
                           candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
                           actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
                           batch_size=args.batch_size, token_budget=args.token_budget,

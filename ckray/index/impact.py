@@ -38,6 +38,13 @@ All candidates are scored exactly with ``CKModel.term_scores`` (s_td = ReLU(α·
 are dropped. The model's score for a (query, document) pair over the kept terms is therefore
 exactly Σ of the stored weights of the query's terms.
 
+**Exact-match weight at indexing** (``explicit_weight`` β, default 0). The stored impact may add the
+model's own explicit score once more, ``w_td = s_td + β·s_explicit_td`` (Eq. 9: its learned, batch-scaled
+BM25; 0 for a term not in the document), before the top-k cut. This is still one weight per (term,
+document), so QTI and the index are unchanged; it moves the balance that α set in training towards
+exact matching, as interpolating with BM25 does for a reranker, and β is chosen on the held-out
+training queries (``bench/impact_topk.py --explicit-weights``), never on test queries.
+
 **Quantisation.** Lucene stores integer impacts (Pyserini truncates floats). The Parquet shards keep
 float32 s_td; the JSON lines get ``round(s_td · scale)`` with one global ``scale = quant_max /
 max_weight`` (max over the whole corpus, ``quant_max`` = 255 by default), recorded in the index
@@ -142,6 +149,7 @@ class ImpactConfig:
     """The impact-building job.
 
     top_k:                 terms kept per document (by s_td).
+    explicit_weight:       β: the stored weight is s_td + β·s_explicit_td (module docstring); 0 = s_td.
     expansion_candidates:  M vocabulary terms added to a document's own terms as candidates.
     candidate_pool:        "window" (cosine with window centroids, cheap) or "position" (best position).
     quant_max:             the largest weight in the corpus maps to this integer.
@@ -157,6 +165,7 @@ class ImpactConfig:
     """
 
     top_k: int = 128
+    explicit_weight: float = 0.0
     expansion_candidates: int = 256
     candidate_pool: str = "window"
     quant_max: int = 255
@@ -173,6 +182,8 @@ class ImpactConfig:
     def validate(self) -> None:
         checks = [
             (self.top_k >= 1, "top_k must be >= 1"),
+            (math.isfinite(self.explicit_weight) and self.explicit_weight >= 0,
+             f"explicit_weight (--explicit-weight) must be a finite number >= 0, got {self.explicit_weight}"),
             (self.expansion_candidates >= 0, "expansion_candidates must be >= 0"),
             (self.candidate_pool in CANDIDATE_POOLS, f"candidate_pool must be one of {CANDIDATE_POOLS}"),
             (self.quant_max >= 1, "quant_max must be >= 1"),
@@ -189,8 +200,11 @@ class ImpactConfig:
 
     def scoring_settings(self) -> dict:
         """The settings that change the stored s_td (part of every shard's stamp)."""
-        return {"top_k": self.top_k, "expansion_candidates": self.expansion_candidates,
-                "candidate_pool": self.candidate_pool}
+        settings = {"top_k": self.top_k, "expansion_candidates": self.expansion_candidates,
+                    "candidate_pool": self.candidate_pool}
+        if self.explicit_weight:  # absent at 0, so shards built before the option stay valid
+            settings["explicit_weight"] = self.explicit_weight
+        return settings
 
 
 # =============================================================================================
@@ -274,13 +288,16 @@ class TermImpactScorer:
 
     # ----------------------------------------------------------------- scoring
     def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Top-k (term id, s_td) of documents already encoded, s_td > 0, descending."""
+        """Top-k (term id, w_td) of documents already encoded, w_td = s_td + β·s_explicit_td > 0,
+        descending (w_td = s_td at the default β = 0)."""
         import torch
 
         ids, mask = self.candidates(doc)
         B, n = doc.ids.shape
         chunk = max(16, (1 << 25) // max(1, B * n * self.model.config.n_kernels))  # kernel tensor ≤ 128 MB
         scores = self.model.term_scores(ids, doc, chunk_size=chunk).float()
+        if self.config.explicit_weight:
+            scores = scores + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
         scores = scores.masked_fill(~mask, -math.inf)
         k = min(self.config.top_k, ids.shape[1])
         top, idx = scores.topk(k, dim=1)
