@@ -53,9 +53,9 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--head-lr-multiplier", type=float, default=1.0,
                    help="train everything but the pretrained word embeddings this many times faster")
     g.add_argument("--dev-scoring", choices=("impacts", "dense"), default="impacts",
-                   help="CK-QTI checkpoints are picked on dev by Σ of each document's top-128 term impacts (as "
-                   "the impact index and ck-qti-rerank score; 100 SciFact dev queries take 76 s against 72 s "
-                   "dense on 2 CPU cores) or by the model's dense Σ over all query terms")
+                   help="CK-QTI checkpoints are picked on dev by Σ of each document's top-k term impacts (as "
+                   "the impact index and ck-qti-rerank score; 100 SciFact dev queries × 50 candidates took "
+                   "174–211 s per validation on 2 CPU cores) or by the model's dense Σ over all query terms")
     g.add_argument("--train-top-k", type=int, default=0,
                    help="train as the impact index deploys: a query term counts only as far as it is among the "
                    "document's top k terms (a sigmoid gate at the k-th best own term's s_td); 0 = off")
@@ -228,7 +228,7 @@ def add_impact_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from ckray.index.impact import ImpactConfig
 
     p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
-    p.add_argument("--top-k", type=int, default=128, help="terms kept per document")
+    p.add_argument("--top-k", type=int, default=ImpactConfig.top_k, help="terms kept per document")
     p.add_argument("--explicit-weight", type=float, default=ImpactConfig.explicit_weight,
                    help="β: store s_td + β·(the model's exact-match score, Eq. 9) per term; choose it on held-out "
                    "training queries with bench/impact_topk.py --explicit-weights")

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ckray.index.impact import ImpactConfig
 from ckray.train import RankerTask
 
 
@@ -32,7 +33,7 @@ class CKTask(RankerTask):
     # document's top-k term impacts, exactly what the impact index and ``ck-qti-rerank`` deploy;
     # "dense" = the model's forward (Σ over every query term, also those outside the top k)
     dev_scoring: str = "impacts"
-    dev_top_k: int = 128                 # the impact index's default (ckray.index.impact.ImpactConfig)
+    dev_top_k: int = ImpactConfig.top_k  # the impact index's defaults (its explicit_weight too)
     # Train as deployed: > 0 gates each query term by the document's top-k cut (CKModel.forward's
     # keep_top_k; 0 = the plain Σ over every query term), with temperature τ
     train_top_k: int = 0

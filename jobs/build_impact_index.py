@@ -2,7 +2,8 @@
 
     python jobs/build_impact_index.py --data DIR --workdir W --checkpoint CKPT [--top-k K] [--actors N] [--use-gpu]
 
-Writes W/impact/shards/part-NNNNN.parquet (doc_id, terms, weights = s_td), W/impact/jsonl/*.jsonl
+Writes W/impact/shards/part-NNNNN.parquet (doc_id, terms, weights = s_td + β·s_explicit_td, β =
+--explicit-weight), W/impact/jsonl/*.jsonl
 (Pyserini JsonVectorCollection, integer weights) and the Lucene impact index W/impact/index (with
 ckray_impact.json: checkpoint, top_k, scale, documents). A re-run skips finished shards and an
 up-to-date index. The checkpoint may come from another collection (defaults to W/checkpoints/ck-qti).

@@ -152,7 +152,7 @@ def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_befor
                                                expansion_candidates=8)).score_texts([text])[0]
     np.testing.assert_array_equal(cut[0], boosted[0][:5])  # the cut keeps the 5 best w_td
     assert ImpactConfig(explicit_weight=beta).scoring_settings()["explicit_weight"] == beta
-    assert "explicit_weight" not in ImpactConfig().scoring_settings()  # older shards' stamps stay valid
+    assert "explicit_weight" not in ImpactConfig(explicit_weight=0).scoring_settings()  # shards built at 0 stay valid
     with pytest.raises(ConfigError, match="explicit-weight"):
         ImpactConfig(explicit_weight=-0.5).validate()
 
@@ -255,6 +255,8 @@ def test_integrity_check_names_missing_and_repeated_documents(built, tmp_path):
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_top_k_by_model_score_with_expansion_terms(built):
     model, cfg = built["model"], built["config"]
+    assert cfg.explicit_weight > 0  # the default: w_td = s_td + β·s_explicit_td
+    scorer = TermImpactScorer(model, cfg)
     texts = _texts(built["workdir"])
     table = pq.read_table(impact_shards_dir(built["workdir"]) / "part-00001.parquet")
     n_expanded = n_cut = 0
@@ -266,9 +268,12 @@ def test_top_k_by_model_score_with_expansion_terms(built):
         with torch.no_grad():
             doc = model.encode_documents(ids, mask)
             own = doc.unique_terms()[0]
-            exact = model.term_scores(torch.tensor(terms), doc)[0]
-            own_scores = model.term_scores(own, doc)[0]
-        # stored weights are the model's s_td of those terms (document encoded alone, not in a batch)
+            exact = scorer.term_weights(torch.tensor(terms), doc)[0]
+            s_td = model.term_scores(torch.tensor(terms), doc)[0]
+            explicit = model.explicit_scores(torch.tensor(terms)[None], doc)[0]
+            own_scores = scorer.term_weights(own, doc)[0]
+        np.testing.assert_allclose(exact.numpy(), (s_td + cfg.explicit_weight * explicit).numpy(), rtol=1e-5, atol=1e-6)
+        # stored weights are the model's w_td of those terms (document encoded alone, not in a batch)
         np.testing.assert_allclose(np.asarray(weights), exact.numpy(), rtol=1e-4, atol=1e-5)
         # sparsification keeps the best: no own term left out scores above the weakest kept term
         left_out = ~torch.isin(own, torch.tensor(terms))
@@ -282,9 +287,10 @@ def test_top_k_by_model_score_with_expansion_terms(built):
 
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_index_score_equals_model_sum_over_indexed_terms(built, retriever):
-    """For sampled queries and documents: impact-index score = Σ_{t∈q} s_td over the document's
-    indexed terms, up to the quantisation step (≤ 0.5/scale per query term)."""
-    model = built["model"]
+    """For sampled queries and documents: impact-index score = Σ_{t∈q} w_td over the document's
+    indexed terms (w_td = s_td + β·s_explicit_td), up to the quantisation step (≤ 0.5/scale per query term)."""
+    model, beta = built["model"], built["config"].explicit_weight
+    scorer = TermImpactScorer(model, built["config"])
     texts = _texts(built["workdir"])
     vectors = {}
     for p in impact_shards_dir(built["workdir"]).glob("part-*.parquet"):
@@ -303,7 +309,8 @@ def test_index_score_equals_model_sum_over_indexed_terms(built, retriever):
         for doc_id in top + list(rng.choice(sorted(texts), 5, replace=False)):
             ids, mask = model.tokenize_documents([texts[doc_id]])
             with torch.no_grad():
-                s = model.term_scores(q_ids, model.encode_documents(ids, mask))[0]
+                doc = model.encode_documents(ids, mask)
+                s = scorer.term_weights(q_ids, doc)[0]
             indexed = torch.tensor([t in set(vectors[doc_id]) for t in q_ids.tolist()])
             expected = float(s[indexed].sum())
             got = run.get(doc_id, 0.0)
@@ -311,7 +318,9 @@ def test_index_score_equals_model_sum_over_indexed_terms(built, retriever):
             compared += 1
             if indexed.all():  # every query term indexed: the index score is the model's full S_qd
                 full += 1
-                full_score = float(model.score_texts([q["text"]], [texts[doc_id]])[0])
+                with torch.no_grad():  # the model's S_qd (forward) + β·Σ_t s_explicit_td
+                    full_score = float(model.score_texts([q["text"]], [texts[doc_id]])[0]
+                                       + beta * model.explicit_scores(q_ids[None], doc)[0].sum())
                 assert abs(got - full_score) <= len(q_ids) * 0.5 / scale + 1e-4
     assert compared == 8 * 8 and full > 0
 

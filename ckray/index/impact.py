@@ -34,16 +34,18 @@ Layout under the work directory ``W``::
   document there, so meant for GPUs).
 
 All candidates are scored exactly with ``CKModel.term_scores`` (s_td = ReLU(α·explicit + (1−α)·implicit
-+ b)); the ``top_k`` (default 128) best are kept — the paper's sparsification. Terms with s_td = 0
++ b)); the ``top_k`` (default 256) best are kept — the paper's sparsification. Terms with s_td = 0
 are dropped. The model's score for a (query, document) pair over the kept terms is therefore
 exactly Σ of the stored weights of the query's terms.
 
-**Exact-match weight at indexing** (``explicit_weight`` β, default 0). The stored impact may add the
+**Exact-match weight at indexing** (``explicit_weight`` β, default 0.5). The stored impact may add the
 model's own explicit score once more, ``w_td = s_td + β·s_explicit_td`` (Eq. 9: its learned, batch-scaled
 BM25; 0 for a term not in the document), before the top-k cut. This is still one weight per (term,
 document), so QTI and the index are unchanged; it moves the balance that α set in training towards
 exact matching, as interpolating with BM25 does for a reranker, and β is chosen on the held-out
-training queries (``bench/impact_topk.py --explicit-weights``), never on test queries.
+training queries (``bench/impact_topk.py --explicit-weights``), never on test queries. The defaults,
+β = 0.5 and ``top_k`` = 256, are what SciFact's held-out training queries chose together
+(β ∈ {0, 0.5, 1, 2} × k ∈ {32, 64, 128, 256}; README).
 
 **Quantisation.** Lucene stores integer impacts (Pyserini truncates floats). The Parquet shards keep
 float32 s_td; the JSON lines get ``round(s_td · scale)`` with one global ``scale = quant_max /
@@ -164,8 +166,8 @@ class ImpactConfig:
                            its batch retried).
     """
 
-    top_k: int = 128
-    explicit_weight: float = 0.0
+    top_k: int = 256             # both chosen on SciFact's held-out training queries (module docstring)
+    explicit_weight: float = 0.5
     expansion_candidates: int = 256
     candidate_pool: str = "window"
     quant_max: int = 255
@@ -202,7 +204,7 @@ class ImpactConfig:
         """The settings that change the stored s_td (part of every shard's stamp)."""
         settings = {"top_k": self.top_k, "expansion_candidates": self.expansion_candidates,
                     "candidate_pool": self.candidate_pool}
-        if self.explicit_weight:  # absent at 0, so shards built before the option stay valid
+        if self.explicit_weight:  # absent at 0, so shards built at 0 keep their stamps
             settings["explicit_weight"] = self.explicit_weight
         return settings
 
@@ -287,6 +289,14 @@ class TermImpactScorer:
         return pad_term_lists(per_doc, self.device)
 
     # ----------------------------------------------------------------- scoring
+    def term_weights(self, ids, doc, chunk_size: int = 256):
+        """The stored weight of terms ``ids`` ([T] or [B, T]) in documents already encoded:
+        w_td = s_td + β·s_explicit_td (β = ``explicit_weight``; w_td = s_td at β = 0). [B, T] float32."""
+        scores = self.model.term_scores(ids, doc, chunk_size=chunk_size).float()
+        if self.config.explicit_weight:
+            scores = scores + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
+        return scores
+
     def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
         """Top-k (term id, w_td) of documents already encoded, w_td = s_td + β·s_explicit_td > 0,
         descending (w_td = s_td at the default β = 0)."""
@@ -295,10 +305,7 @@ class TermImpactScorer:
         ids, mask = self.candidates(doc)
         B, n = doc.ids.shape
         chunk = max(16, (1 << 25) // max(1, B * n * self.model.config.n_kernels))  # kernel tensor ≤ 128 MB
-        scores = self.model.term_scores(ids, doc, chunk_size=chunk).float()
-        if self.config.explicit_weight:
-            scores = scores + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
-        scores = scores.masked_fill(~mask, -math.inf)
+        scores = self.term_weights(ids, doc, chunk_size=chunk).masked_fill(~mask, -math.inf)
         k = min(self.config.top_k, ids.shape[1])
         top, idx = scores.topk(k, dim=1)
         top_ids = ids.gather(1, idx)
