@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--max-docs", type=int, default=None, help="index only the first N documents")
     p.add_argument("--actors", default="1,2", help="actor pool sizes to time")
-    p.add_argument("--top-k", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=256, help="terms per document (the index job's default)")
     p.add_argument("--batch-size", type=int, default=32, help="documents per Ray Data batch")
     p.add_argument("--minilm-docs", type=int, default=200, help="documents MiniLM encodes for its rate")
     p.add_argument("--minilm-threads", type=int, default=2)
