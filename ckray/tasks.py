@@ -92,7 +92,7 @@ class CKTask(RankerTask):
         distinct document once, however many queries and chunks it appears in."""
         if not self._scores_dev_by_impacts:
             return lambda queries, docs, bm25: model.score_texts(queries, docs)
-        from ckray.index.impact import ImpactConfig, TermImpactScorer, impact_score, impact_vector, query_term_counts
+        from ckray.index.impact import TermImpactScorer, impact_score, impact_vector, query_term_counts
 
         scorer = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k))
         vectors: dict[str, dict[int, float]] = {}

@@ -132,7 +132,8 @@ def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_befor
     model = CKModel(small_config(vocab_size=30522)).eval()
     text = "insulin resistance insulin signalling in the liver of obese mice"
     beta = 2.0
-    plain = TermImpactScorer(model, ImpactConfig(top_k=1000, expansion_candidates=8)).score_texts([text])[0]
+    plain = TermImpactScorer(model, ImpactConfig(top_k=1000, explicit_weight=0,
+                                                 expansion_candidates=8)).score_texts([text])[0]
     boosted = TermImpactScorer(model, ImpactConfig(top_k=1000, explicit_weight=beta,
                                                    expansion_candidates=8)).score_texts([text])[0]
     ids, mask = model.tokenize_documents([text])

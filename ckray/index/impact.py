@@ -11,7 +11,7 @@ Layout under the work directory ``W``::
     W/shards/part-NNNNN.parquet            corpus shards (doc_id, title, text)        ckray.data.shards
     W/impact/shards/part-NNNNN.parquet     one impact shard per corpus shard:
                                            doc_id: string, terms: list<int32> (word-piece ids),
-                                           weights: list<float32> (s_td, descending), exact model scores
+                                           weights: list<float32> (w_td, descending), exact model scores
                                            (+ .done.json marker: checkpoint digest, settings, max weight)
     W/impact/jsonl/part-NNNNN.jsonl        Pyserini JsonVectorCollection lines, integer weights
     W/impact/jsonl-done/part-NNNNN.jsonl.done.json   their markers (kept out of the indexed folder)
@@ -48,9 +48,9 @@ training queries (``bench/impact_topk.py --explicit-weights``), never on test qu
 (β ∈ {0, 0.5, 1, 2} × k ∈ {32, 64, 128, 256}; README).
 
 **Quantisation.** Lucene stores integer impacts (Pyserini truncates floats). The Parquet shards keep
-float32 s_td; the JSON lines get ``round(s_td · scale)`` with one global ``scale = quant_max /
+float32 w_td; the JSON lines get ``round(w_td · scale)`` with one global ``scale = quant_max /
 max_weight`` (max over the whole corpus, ``quant_max`` = 255 by default), recorded in the index
-metadata; terms that round to 0 are left out. A retrieved score divided by ``scale`` is Σ_t s_td
+metadata; terms that round to 0 are left out. A retrieved score divided by ``scale`` is Σ_t w_td
 within ``0.5/scale`` per query term.
 
 **Term strings.** A term is written as ``"t<id>"`` (``t2003``), never as the word-piece string: these
@@ -150,7 +150,7 @@ def term_string(term_id: int) -> str:
 class ImpactConfig:
     """The impact-building job.
 
-    top_k:                 terms kept per document (by s_td).
+    top_k:                 terms kept per document (by w_td).
     explicit_weight:       β: the stored weight is s_td + β·s_explicit_td (module docstring); 0 = s_td.
     expansion_candidates:  M vocabulary terms added to a document's own terms as candidates.
     candidate_pool:        "window" (cosine with window centroids, cheap) or "position" (best position).
@@ -201,7 +201,7 @@ class ImpactConfig:
                 raise ConfigError(f"ImpactConfig: {msg}")
 
     def scoring_settings(self) -> dict:
-        """The settings that change the stored s_td (part of every shard's stamp)."""
+        """The settings that change the stored w_td (part of every shard's stamp)."""
         settings = {"top_k": self.top_k, "expansion_candidates": self.expansion_candidates,
                     "candidate_pool": self.candidate_pool}
         if self.explicit_weight:  # absent at 0, so shards built at 0 keep their stamps
@@ -299,7 +299,7 @@ class TermImpactScorer:
 
     def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
         """Top-k (term id, w_td) of documents already encoded, w_td = s_td + β·s_explicit_td > 0,
-        descending (w_td = s_td at the default β = 0)."""
+        descending (w_td = s_td at β = 0)."""
         import torch
 
         ids, mask = self.candidates(doc)
@@ -623,7 +623,7 @@ def verify_impact_shards(workdir: str | os.PathLike) -> int:
 # =============================================================================================
 
 def corpus_max_weight(workdir: str | os.PathLike) -> float:
-    """The largest s_td over all impact shards (from their markers)."""
+    """The largest stored weight w_td over all impact shards (from their markers)."""
     from ckray.data.shards import marker_path
 
     return max([0.0] + [float(read_json(marker_path(impact_shards_dir(workdir) / s.name))["max_weight"])
