@@ -11,6 +11,7 @@
   --autoscaling-config=...` on free ports, in its own process group, with its own temp dir and
   auth token; on exit everything it started (the fake worker nodes included) is stopped by
   process id. Never `ray stop`: that would stop every Ray on the machine.
+* `local_head(num_cpus)`: the same for a plain one-node head (no worker types).
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ DEFAULT_CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
 # The fake provider names the head node's type itself (its node tags); the local config's head
 # type must carry the same name.
 FAKE_HEAD_NODE_TYPE = "ray.head.default"
+
+# Ray's fake multi-node provider, as every local config uses it.
+_FAKE_PROVIDER: dict[str, Any] = {
+    "type": "fake_multinode",
+    "disable_launch_config_check": True,
+    "disable_node_updaters": True,
+    # All fake nodes share the machine's IP; the autoscaler must key nodes by id.
+    "use_node_id_as_ip": True,
+    # Launch `count` nodes when asked for `count` (default: one per round).
+    "launch_multiple": True,
+}
 
 # Top-level fields the autoscaler process reads without filling defaults in. For the AWS/GCP
 # providers `prepare_config` fills them from the provider's defaults.yaml; the fake provider's
@@ -257,20 +269,32 @@ def local_fake_config(
         "max_workers": max_workers,
         "upscaling_speed": prepared.get("upscaling_speed", 1.0),
         "idle_timeout_minutes": idle,
-        "provider": {
-            "type": "fake_multinode",
-            "disable_launch_config_check": True,
-            "disable_node_updaters": True,
-            # All fake nodes share the machine's IP; the autoscaler must key nodes by id.
-            "use_node_id_as_ip": True,
-            # Launch `count` nodes when asked for `count` (default: one per round).
-            "launch_multiple": True,
-        },
+        "provider": copy.deepcopy(_FAKE_PROVIDER),
         "head_node_type": FAKE_HEAD_NODE_TYPE,
         "available_node_types": node_types,
     })
     _schema_check(cfg, "local fake config")
     _check_with_ray(cfg, "local fake config")
+    return cfg
+
+
+def single_node_config(num_cpus: int = 4, object_store_memory: int = _GIB // 2) -> dict:
+    """A fake multi-node config of just a head with `num_cpus` CPUs: a plain one-node local Ray,
+    started and stopped by `local_autoscaling_head` like any other (see `local_head`)."""
+    if num_cpus < 1:
+        raise ConfigError(f"num_cpus must be >= 1, got {num_cpus}")
+    cfg = copy.deepcopy(_AUTOSCALER_FIELDS)
+    cfg.update({
+        "cluster_name": "ckray-single-node",
+        "max_workers": 0,
+        "idle_timeout_minutes": 5,
+        "provider": copy.deepcopy(_FAKE_PROVIDER),
+        "head_node_type": FAKE_HEAD_NODE_TYPE,
+        "available_node_types": {FAKE_HEAD_NODE_TYPE: {
+            "resources": {"CPU": int(num_cpus), "object_store_memory": int(object_store_memory)},
+            "node_config": {}, "min_workers": 0, "max_workers": 0}},
+    })
+    _schema_check(cfg, "single-node config")
     return cfg
 
 
@@ -528,6 +552,17 @@ def local_autoscaling_head(
         _stop_cluster(proc, head.marker, str(head.temp_dir), stop_grace_s)
         if not keep_temp_dir:
             shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def local_head(num_cpus: int = 4, **kwargs: Any) -> Iterator[LocalHead]:
+    """A one-node local Ray head (`single_node_config`), for `ray job submit` and `serve run`
+    against a head as on a cluster. Like every `local_autoscaling_head`: free ports, a temp dir and
+    token of its own (so it never becomes the machine's "current cluster" that a later
+    `ray.init()` or `serve run` would try to reach once it is gone), and on exit every process of
+    it stopped by id. `kwargs` go to `local_autoscaling_head`."""
+    with local_autoscaling_head(single_node_config(num_cpus), **kwargs) as head:
+        yield head
 
 
 class _HeadExited(RuntimeError):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,48 +54,44 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_head(tmp_path_factory):
-    """A separate local Ray head started with `ray start --head --block` on free ports, for
-    `ray job submit` tests. Stopped by its own process group (never `ray stop`, which would
-    stop every Ray on the machine)."""
-    port, dash = free_port(), free_port()
-    log = tmp_path_factory.mktemp("ray_head") / "head.log"
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    proc = subprocess.Popen(
-        [ray_bin, "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true", "--block",
-         f"--ray-client-server-port={free_port()}", "--disable-usage-stats",
-         # every port its own: several heads (other test sessions) may share this machine
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-        # the venv's bin first on PATH: a job's `python` must be this environment's, activated or not
-        env={**os.environ, "RAY_AUTH_MODE": "token",
-             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"},
-    )
-    address = f"http://127.0.0.1:{dash}"
-    deadline = time.time() + 120
-    import urllib.error
-    import urllib.request
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{address}/api/version", timeout=2)
-            break
-        except urllib.error.HTTPError:  # e.g. 401 with token auth on: the dashboard is up
-            break
-        except Exception:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ray start failed: {log.read_text()}")
-            time.sleep(1)
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)
-        raise RuntimeError(f"Ray head did not come up: {log.read_text()}")
-    # Token authentication is on: clients find the token `ray start` wrote in ~/.ray/auth_token.
-    env = {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    yield {"dashboard": address, "gcs": f"127.0.0.1:{port}", "ray_bin": ray_bin, "env": env}
-    os.killpg(proc.pid, signal.SIGTERM)
+def ray_head():
+    """A separate local Ray head (``ckray.cluster.local_head``: `ray start --head --block` on free
+    ports, with a temp dir and auth token of its own), for `ray job submit` and `serve run` tests.
+    On exit every process of it is stopped by id (never `ray stop`, which would stop every Ray on the
+    machine), and it never becomes the machine's "current cluster", so nothing is left pointing at a
+    dead head. The venv's bin comes first on the head's PATH: a job's `python` is this environment's."""
+    from ckray.cluster import local_head
+
+    venv_bin = str(Path(sys.executable).parent)
+    path = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    with local_head(4, extra_env={"PATH": path}, cwd=ROOT) as head:
+        yield {"dashboard": head.dashboard_url, "gcs": head.gcs_address, "ray_bin": str(Path(venv_bin) / "ray"),
+               "env": {**head.env, "RAY_ADDRESS": head.dashboard_url}, "head": head}
+
+
+def run_isolated(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a bash script as a user would in a terminal, but in PID and network namespaces of its own
+    (`unshare`), with its own HOME and RAY_TMPDIR: its `ray start`, `ray stop`, `serve run` on port
+    8000 and Ray's "current cluster" file touch nothing outside it, and everything it started dies
+    with it. Skips where namespaces cannot be made (needs root, as CI has)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip (util-linux, iproute2) to isolate the commands")
+    probe = subprocess.run(["unshare", "-n", "-p", "-f", "--mount-proc", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create PID/network namespaces here: {probe.stderr.strip()}")
+    home = Path(tempfile.mkdtemp(prefix="ckh-", dir="/tmp"))  # short: Ray's unix socket paths
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update({"HOME": str(home), "RAY_TMPDIR": str(home / "t"), "RAY_USAGE_STATS_ENABLED": "0"})
+    (home / "t").mkdir()
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        return subprocess.run(["unshare", "-n", "-p", "-f", "--kill-child", "--mount-proc", "bash", "-c",
+                               "ip link set lo up && exec bash -c \"$0\"", script],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def isolated():
+    """``run_isolated`` (script, cwd, timeout) for tests that run the README's commands as written."""
+    return run_isolated
