@@ -19,6 +19,7 @@ from ckray.cluster import (
     INFER_RESOURCE,
     TRAIN_RESOURCE,
     _cluster_pids,
+    _is_zombie,
     _stop_cluster,
     load_cluster_config,
     local_autoscaling_head,
@@ -228,6 +229,30 @@ def test_teardown_finds_the_clusters_processes_and_only_them(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_local_head_leaves_no_current_cluster_and_no_process_behind():
+    """A head a test (or ckray) starts never becomes the machine's "current cluster" (the address a
+    later `ray.init()` / `serve run` without an address would retry once it is dead), and stopping it
+    leaves none of its processes."""
+    from ckray.cluster import local_head
+
+    default_file = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    before = default_file.read_text() if default_file.exists() else None
+    with local_head(1) as head:
+        assert head.processes()
+        assert not default_file.exists() or default_file.read_text() == before
+        own = head.temp_dir / "ray_current_cluster"  # `ray start` writes its address in its own temp dir
+        deadline = time.monotonic() + 60
+        while not own.exists():
+            assert time.monotonic() < deadline, f"{own} never written"
+            time.sleep(0.5)
+        assert own.read_text().strip() == head.gcs_address
+        assert not default_file.exists() or default_file.read_text() == before
+        pids = head.processes()
+    assert not default_file.exists() or default_file.read_text() == before
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
 
 
 # --------------------------------------------------------------------------- training workers' resources
