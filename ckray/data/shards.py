@@ -1,5 +1,6 @@
 """Shard I/O shared by every job: atomic Parquet/JSON writes, per-shard "done" markers, and readers
-for the corpus shards (``W/shards/part-NNNNN.parquet`` with ``doc_id, title, text``).
+for the corpus shards (``W/shards/part-NNNNN.parquet`` with ``doc_id, title, text``), and ``DocStore``
+(``doc_id → (title, text)`` from memory-mapped files, :mod:`ckray.data.docstore`).
 
 A shard counts as finished only when its Parquet file is readable *and* its marker
 ``<shard>.done.json`` records the same inputs and row count; anything else (a crash mid-write, a
@@ -14,12 +15,15 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ckray.errors import MissingArtifactError
+
+if TYPE_CHECKING:
+    from ckray.data.docstore import DocStore  # noqa: F401  (re-exported by __getattr__ below)
 
 SHARDS_DIR = "shards"
 MANIFEST = "_manifest.json"
@@ -122,32 +126,32 @@ def load_corpus_table(workdir: str | os.PathLike, columns: list[str] | None = No
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in shard_paths(workdir)])
 
 
-class DocStore:
-    """doc_id → (title, text), loaded from the corpus shards."""
+def write_corpus_shards(workdir: str | os.PathLike, tables: Iterable[pa.Table], source: str) -> dict:
+    """Write ``tables`` (``doc_id, title, text``) as the corpus shards of ``workdir``, one shard each, with
+    their done-markers and manifest, in the layout ``jobs/prepare.py`` writes; for corpora made in code
+    (benchmarks, tests). ``source`` names them in the manifest (and stands for the input's hash). Shards of
+    an earlier corpus that the new one does not have are removed. Returns the manifest."""
+    out = shards_dir(workdir)
+    shards, documents = [], 0
+    for i, table in enumerate(tables):
+        path = write_parquet_atomic(table, out / shard_name(i))
+        mark_done(path, {"input_sha256": source})
+        shards.append({"name": path.name, "rows": table.num_rows, "first_line": documents + 1})
+        documents += table.num_rows
+    for stale in out.glob("part-*.parquet"):
+        if stale.name not in {s["name"] for s in shards}:
+            stale.unlink()
+            marker_path(stale).unlink(missing_ok=True)
+    manifest = {"input": source, "format": "generated", "input_sha256": source, "num_shards_requested": len(shards),
+                "documents": documents, "shards": shards}
+    write_json_atomic(manifest, out / MANIFEST)
+    return manifest
 
-    def __init__(self, workdir: str | os.PathLike):
-        table = load_corpus_table(workdir)
-        self._ids = table.column("doc_id").to_pylist()
-        self._index = {d: i for i, d in enumerate(self._ids)}
-        self._titles = table.column("title").to_pylist()
-        self._texts = table.column("text").to_pylist()
 
-    def __len__(self) -> int:
-        return len(self._ids)
+def __getattr__(name: str) -> Any:
+    # ``DocStore`` lives in ckray.data.docstore (which imports this module); re-exported lazily here
+    if name == "DocStore":
+        from ckray.data.docstore import DocStore
 
-    def __contains__(self, doc_id: str) -> bool:
-        return doc_id in self._index
-
-    def ids(self) -> list[str]:
-        return list(self._ids)
-
-    def get(self, doc_id: str) -> tuple[str, str]:
-        i = self._index.get(doc_id)
-        if i is None:
-            raise KeyError(f"unknown document id {doc_id!r}")
-        return self._titles[i], self._texts[i]
-
-    def text(self, doc_id: str) -> str:
-        from ckray.data.collections import doc_text
-
-        return doc_text(*self.get(doc_id))
+        return DocStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
