@@ -33,7 +33,12 @@ def test_beir_reader_reads_corpus_queries_qrels(tmp_path):
 
 def test_malformed_json_line_is_named(tmp_path):
     write_beir(tmp_path, [GOOD[0], '{"_id": "d2", "text": ', GOOD[1]])
-    with pytest.raises(CollectionError, match=r"corpus\.jsonl:2: malformed JSON"):
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:2: malformed JSON: Expecting value at column 23$"):
+        load_collection(tmp_path)
+    # json's own message ends in "at" for some errors ("Invalid control character at"): said once
+    write_beir(tmp_path, [GOOD[0], '{"_id": "d2", "text": "a\tb"}'])
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:2: malformed JSON: Invalid control character at "
+                                              r"column 25$"):
         load_collection(tmp_path)
 
 
@@ -55,12 +60,17 @@ def test_non_integer_relevance_is_named(tmp_path):
         load_collection(tmp_path)
 
 
-def test_unknown_docs_and_queries_are_counted_and_raise_unless_allowed(tmp_path):
+def test_unknown_docs_and_queries_are_counted_and_reported_once_or_refused_when_strict(tmp_path, caplog):
     write_beir(tmp_path, GOOD, qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\tnope\t1\nq9\td2\t1\n")
-    with pytest.raises(CollectionError, match=r"1 unknown document\(s\) and 1 unknown query"):
-        load_collection(tmp_path)
-    c = load_collection(tmp_path, allow_unknown=True)
+    with caplog.at_level("WARNING", logger="ckray.data.collections"):
+        c = load_collection(tmp_path)
     assert c.stats["unknown_docs"] == 1 and c.stats["unknown_queries"] == 1
+    assert c.qrels["test"] == {"q1": {"d1": 1, "nope": 1}, "q9": {"d2": 1}}  # kept
+    reports = [r.getMessage() for r in caplog.records if "qrels name" in r.getMessage()]
+    assert len(reports) == 1 and "1 document(s) not in the corpus and 1 query(ies) without a text" in reports[0]
+    assert "doc 'nope' (query 'q1')" in reports[0] and "query 'q9'" in reports[0]
+    with pytest.raises(CollectionError, match=r"qrels name 1 document\(s\) not in the corpus and 1 query"):
+        load_collection(tmp_path, strict_qrels=True)
 
 
 def test_empty_documents_are_kept_and_counted(tmp_path):
@@ -88,6 +98,26 @@ def test_msmarco_bad_line(tmp_path):
 def test_not_a_collection(tmp_path):
     with pytest.raises(CollectionError, match="not a collection directory"):
         load_collection(tmp_path)
+    with pytest.raises(CollectionError, match=f"^{tmp_path / 'nope'}: no such collection directory$"):
+        load_collection(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CollectionError, match=f"^{tmp_path / 'file'}: is a file, not a collection directory$"):
+        load_collection(tmp_path / "file")
+
+
+def test_judged_queries_of_a_split_must_have_texts(tmp_path, caplog):
+    from ckray.data.collections import judged_queries, read_queries_and_qrels
+
+    write_beir(tmp_path, GOOD, queries=[{"_id": "q1", "text": "alpha"}, {"_id": "q2", "text": "beta"}],
+               qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq3\td2\t1\n")
+    with caplog.at_level("WARNING", logger="ckray.data.collections"):
+        assert judged_queries(tmp_path, *read_queries_and_qrels(tmp_path), "test") == {"q1": "alpha"}
+    assert "1 of the 2 queries judged in split 'test' have no text (e.g. 'q3'); they score 0" in caplog.text
+    (tmp_path / "queries.jsonl").write_text("")
+    with pytest.raises(CollectionError, match=rf"^{tmp_path / 'queries.jsonl'}: none of the 2 queries judged in "
+                                              rf"split 'test' \({tmp_path / 'qrels' / 'test.tsv'}\) has a text "
+                                              r"here \(0 queries in all\)$"):
+        judged_queries(tmp_path, *read_queries_and_qrels(tmp_path), "test")
 
 
 def test_trec_qrels_and_errors(tmp_path):

@@ -3,8 +3,9 @@
 A :class:`Collection` holds the corpus as an Arrow table (``doc_id, title, text``), queries as a
 dict and qrels per split. Every reader validates as it reads and raises :class:`CollectionError`
 naming the file and line: malformed JSON, a missing ``_id``, a duplicate doc id, a non-integer
-relevance. Qrels pointing at unknown documents or queries are counted and raise unless
-``allow_unknown=True``; empty documents are kept and counted.
+relevance. Qrels naming a document that is not in the corpus, or a query without a text, are kept,
+counted (``Collection.stats``) and reported once (a warning), or refused with ``strict_qrels=True``;
+empty documents are kept and counted.
 
 Layouts:
 - BEIR: ``corpus.jsonl`` ({"_id", "title", "text"}), ``queries.jsonl`` ({"_id", "text"}),
@@ -72,15 +73,21 @@ def _json_lines(path: Path, first_line: int = 1, lines: Iterable[str] | None = N
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                raise CollectionError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise CollectionError(f"{path}:{lineno}: malformed JSON: {_json_problem(e)}") from None
             if not isinstance(obj, dict):
                 raise CollectionError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj
     finally:
         if handle is not None:
             handle.close()
+
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """What is wrong and where on the (one-line) document: json's messages for some errors already end in
+    "at" ("Invalid control character at") → "Invalid control character at column 59"."""
+    return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}"
 
 
 def _need_id(obj: dict, key: str, path: Path, lineno: int) -> str:
@@ -234,7 +241,12 @@ def write_trec_run(run: Run, path: Path, tag: str = "ckray") -> None:
 # --------------------------------------------------------------------------- whole collections
 
 def detect_format(path: Path) -> str:
+    """``beir`` or ``msmarco``; a path that is no collection directory is named, with what it lacks."""
     path = Path(path)
+    if not path.exists():
+        raise CollectionError(f"{path}: no such collection directory")
+    if not path.is_dir():
+        raise CollectionError(f"{path}: is a file, not a collection directory")
     if (path / "corpus.jsonl").exists():
         return "beir"
     if (path / "collection.tsv").exists():
@@ -267,9 +279,39 @@ def read_queries_and_qrels(path: Path) -> tuple[dict[str, str], dict[str, Qrels]
     return queries, qrels
 
 
+def queries_file(path: Path) -> str:
+    """Where a collection directory's query texts are read from (for messages)."""
+    path = Path(path)
+    return str(path / "queries.jsonl") if detect_format(path) == "beir" else str(path / "queries.*.tsv")
+
+
+def qrels_file(path: Path, split: str) -> str:
+    """The qrels file of ``split`` in a collection directory (for messages)."""
+    path = Path(path)
+    return str(path / "qrels" / f"{split}.tsv") if detect_format(path) == "beir" else str(path / f"qrels.{split}.tsv")
+
+
+def judged_queries(path: Path, queries: dict[str, str], qrels: dict[str, Qrels], split: str) -> dict[str, str]:
+    """The queries judged in ``split`` that have a text (``read_queries_and_qrels(path)``'s). None at all (an
+    empty queries file, or one without this split's queries) is an error naming both files: evaluated,
+    the split would score 0 everywhere. Judged queries without a text are logged (they score 0)."""
+    judged = qrels[split]
+    found = {q: queries[q] for q in judged if q in queries}
+    if not found:
+        raise CollectionError(f"{queries_file(path)}: none of the {len(judged)} queries judged in split {split!r} "
+                              f"({qrels_file(path, split)}) has a text here ({len(queries)} queries in all)")
+    if len(found) < len(judged):
+        missing = [q for q in judged if q not in queries]
+        log.warning("%s: %d of the %d queries judged in split %r have no text (e.g. %s); they score 0",
+                    queries_file(path), len(missing), len(judged), split, ", ".join(map(repr, missing[:3])))
+    return found
+
+
 def check_qrels(qrels: dict[str, Qrels], doc_ids: set[str], queries: dict[str, str], where: str,
-                allow_unknown: bool = False) -> dict[str, int]:
-    """Count judgments that point at unknown documents or queries; raise unless allowed."""
+                strict: bool = False) -> dict[str, int]:
+    """Count judgments that name a document not in the corpus or a query without a text, and report them
+    once (a warning with examples): kept, not an error (a judged document that is not in the corpus cannot
+    be retrieved, as in any evaluation on a subset). ``strict``: refuse them instead."""
     counts = {"unknown_docs": 0, "unknown_queries": 0}
     examples: list[str] = []
     for split, qr in qrels.items():
@@ -281,24 +323,25 @@ def check_qrels(qrels: dict[str, Qrels], doc_ids: set[str], queries: dict[str, s
                 if did not in doc_ids:
                     counts["unknown_docs"] += 1
                     examples.append(f"{split}: doc {did!r} (query {qid!r})")
-    if (counts["unknown_docs"] or counts["unknown_queries"]):
-        msg = (f"{where}: qrels point at {counts['unknown_docs']} unknown document(s) and "
-               f"{counts['unknown_queries']} unknown query(ies), e.g. {'; '.join(examples[:3])}")
-        if not allow_unknown:
-            raise CollectionError(msg + " (pass allow_unknown=True / --allow-unknown-qrels to keep going)")
-        log.warning(msg)
+    if counts["unknown_docs"] or counts["unknown_queries"]:
+        msg = (f"{where}: qrels name {counts['unknown_docs']} document(s) not in the corpus and "
+               f"{counts['unknown_queries']} query(ies) without a text, e.g. {'; '.join(examples[:3])}")
+        if strict:
+            raise CollectionError(msg)
+        log.warning("%s; they are kept and counted", msg)
     return counts
 
 
-def load_collection(path: str | Path, allow_unknown: bool = False, name: str | None = None) -> Collection:
-    """Read a BEIR or MS MARCO directory into a :class:`Collection` (validated)."""
+def load_collection(path: str | Path, strict_qrels: bool = False, name: str | None = None) -> Collection:
+    """Read a BEIR or MS MARCO directory into a :class:`Collection` (validated; ``strict_qrels``: see
+    :func:`check_qrels`)."""
     path = Path(path)
     cfile, fmt = corpus_file(path)
     with open(cfile, encoding="utf-8") as f:
         corpus = corpus_table(parse_corpus_lines(fmt, cfile, f), cfile)
     queries, qrels = read_queries_and_qrels(path)
     stats = collection_stats(corpus)
-    stats.update(check_qrels(qrels, set(corpus.column("doc_id").to_pylist()), queries, str(path), allow_unknown))
+    stats.update(check_qrels(qrels, set(corpus.column("doc_id").to_pylist()), queries, str(path), strict_qrels))
     return Collection(name=name or path.name, corpus=corpus, queries=queries, qrels=qrels, source=path, stats=stats)
 
 
