@@ -6,10 +6,11 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
 from typing import Callable
 
-from ckray.errors import CkrayError
+from ckray.errors import CkrayError, ConfigError
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -38,8 +39,17 @@ def base_parser(description: str, data: bool = True) -> argparse.ArgumentParser:
         p.add_argument("--data", required=True, help="collection directory (BEIR or MS MARCO layout)")
     p.add_argument("--workdir", required=True, help="work directory holding every artifact")
     p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging level")
     return p
+
+
+def option_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Each parsed option's destination → its flag, where the flag is the destination's name
+    (``rerank_depth`` → ``--rerank-depth``; the convention :func:`dataclass_from_args` relies on)."""
+    usage = set(re.findall(r"--[\w-]+", parser.format_usage()))
+    flags = {dest: "--" + dest.replace("_", "-") for dest in vars(args)}
+    return {dest: flag for dest, flag in flags.items() if flag in usage}
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
@@ -51,7 +61,9 @@ def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
 
 def run_job(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
             argv: list[str] | None = None) -> None:
-    """Parse flags, set up logging and Ray, run ``main``; a CkrayError ends with its message, exit 2."""
+    """Parse flags, set up logging and Ray, run ``main``; a CkrayError ends with its message, exit 2. A
+    ConfigError about a config field whose name is one of the job's options (``ConfigError.invalid``,
+    e.g. ``EvaluateConfig.k``) names the option's flag instead (``--k``)."""
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,6 +72,8 @@ def run_job(main: Callable[[argparse.Namespace], int | None], parser: argparse.A
     try:
         code = main(args)
     except CkrayError as e:
+        if isinstance(e, ConfigError):
+            e = e.for_flags(option_flags(parser, args))
         logging.getLogger("ckray").error("%s", e)
         sys.exit(2)
     sys.exit(code or 0)

@@ -1,5 +1,9 @@
 """One exception type per user-facing failure family. Messages name the file/field and what to do."""
 
+from __future__ import annotations
+
+from typing import Mapping
+
 
 class CkrayError(Exception):
     """Base class of every error ckray raises on purpose."""
@@ -10,7 +14,27 @@ class CollectionError(CkrayError):
 
 
 class ConfigError(CkrayError):
-    """A configuration value or command-line flag is invalid (names the field)."""
+    """A configuration value or command-line flag is invalid (names the field).
+
+    An error about one field of a config dataclass (:meth:`invalid`) keeps the field and what is wrong
+    with it, so the layer that built the config from command-line flags can name the flag instead
+    (:meth:`for_flags`): ``TrainConfig.max_steps must be >= 1, got 0`` → ``--max-steps must be >= 1, got 0``."""
+
+    def __init__(self, message: str, *, field: str | None = None, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.problem = problem
+
+    @classmethod
+    def invalid(cls, owner: str, field: str, problem: str) -> ConfigError:
+        """``<owner>.<field> <problem>``, e.g. ``invalid("TrainConfig", "lr", "must be > 0, got 0.0")``."""
+        return cls(f"{owner}.{field} {problem}", field=field, problem=problem)
+
+    def for_flags(self, flags: Mapping[str, str]) -> ConfigError:
+        """This error naming the command-line flag of its field (``flags``: field → flag), when it has one."""
+        if self.field is None or self.problem is None or self.field not in flags:
+            return self
+        return ConfigError(f"{flags[self.field]} {self.problem}", field=self.field, problem=self.problem)
 
 
 class MissingArtifactError(CkrayError):

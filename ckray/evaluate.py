@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckray.data.collections import read_queries_and_qrels, write_trec_run
+from ckray.data.collections import judged_queries, read_queries_and_qrels, write_trec_run
 from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
@@ -26,6 +26,13 @@ class EvaluateConfig:
     k: int = 1000
     rerank_depth: int = 100
     measures: tuple[str, ...] = DEFAULT_MEASURES
+
+    def __post_init__(self) -> None:
+        for name in ("k", "rerank_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError.invalid("EvaluateConfig", name, f"must be >= 1, got {getattr(self, name)}")
+        if not self.pipelines:
+            raise ConfigError.invalid("EvaluateConfig", "pipelines", "must name at least one pipeline")
 
 
 def run_path(workdir, pipeline: str, split: str) -> Path:
@@ -102,7 +109,7 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
     queries, qrels = read_queries_and_qrels(Path(config.data))
     if config.split not in qrels:
         raise ConfigError(f"--split {config.split!r}: {config.data} has qrels for {sorted(qrels)}")
-    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
+    split_q = judged_queries(Path(config.data), queries, qrels, config.split)  # none: an error, before any work
     results = {}
     for name in config.pipelines:
         if name in results:
@@ -141,7 +148,7 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
     plain, plus = f"{first}>{reranker}", f"{first}+{reranker}"
     out_plain, out_plus = names or (plain, plus)
     queries, qrels = read_queries_and_qrels(Path(config.data))
-    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}
+    split_q = {q: queries[q] for q in qrels[config.split] if q in queries}  # checked by evaluate_pipelines
     t0 = time.time()
     tuned = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)

@@ -38,18 +38,16 @@ def add_ck_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from ckray.models.ck import CKConfig
 
     g = p.add_argument_group("model (ckray.models.ck)")
-    g.add_argument("--qti", dest="qti", action="store_true", default=True, help="query term independence (CK-QTI)")
-    g.add_argument("--no-qti", dest="qti", action="store_false", help="the paper's full CK (query contextualised)")
+    g.add_argument("--qti", action=argparse.BooleanOptionalAction, default=True,
+                   help="query term independence (CK-QTI); --no-qti: the paper's full CK (query contextualised)")
     g.add_argument("--attention", choices=("separable", "quadratic"), default="separable",
                    help="quadratic = the TK baseline")
     g.add_argument("--max-doc-len", type=int, default=4000, help="document word pieces (not cut at 512)")
     g.add_argument("--layers", type=int, default=2, help="Conformer blocks")
     g.add_argument("--bm25-k1", type=float, default=CKConfig.bm25_k1, help="the explicit match starts as BM25(k1, b)")
-    g.add_argument("--bm25-b", type=float, default=CKConfig.bm25_b)
+    g.add_argument("--bm25-b", type=float, default=CKConfig.bm25_b, help="b of that BM25 start")
     g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints (default: ck-qti; ck with "
                    "--no-qti, tk with --attention quadratic)")
-    g.add_argument("--default-lr", type=float, default=CK_TRAIN_DEFAULTS["lr"],
-                   help="learning rate when --lr is not given")
     g.add_argument("--head-lr-multiplier", type=float, default=1.0,
                    help="train everything but the pretrained word embeddings this many times faster")
     g.add_argument("--dev-scoring", choices=("impacts", "dense"), default="impacts",
@@ -74,11 +72,12 @@ def train_ck(args: argparse.Namespace):
     from ckray.data.shards import load_corpus_table
     from ckray.models.ck import CKConfig, corpus_statistics, explicit_training_statistics, tk_config
     from ckray.tasks import CKTask
-    from ckray.train_job import run_training, training_data
+    from ckray.train_job import run_training, training_config, training_data
 
     base = tk_config() if args.attention == "quadratic" else CKConfig(qti=args.qti)
     config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers, bm25_k1=args.bm25_k1, bm25_b=args.bm25_b)
     name = args.name or ("tk" if args.attention == "quadratic" else "ck-qti" if args.qti else "ck")
+    train_config = training_config(args, name, **CK_TRAIN_DEFAULTS)  # every flag checked before any work
     td = training_data(args)  # prepares shards, BM25 and negatives when missing
     corpus = load_corpus_table(args.workdir)
     stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())),
@@ -91,7 +90,7 @@ def train_ck(args: argparse.Namespace):
                   mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
                   name=name, head_lr_multiplier=args.head_lr_multiplier, dev_scoring=args.dev_scoring,
                   train_top_k=args.train_top_k, gate_temperature=args.gate_temperature)
-    return run_training(task, args, name, td=td, **{**CK_TRAIN_DEFAULTS, "lr": args.default_lr})
+    return run_training(task, args, train_config, td=td)
 
 
 # --------------------------------------------------------------------------- models: CLEAR
@@ -102,7 +101,7 @@ def add_clear_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model (ckray.models.clear)")
     g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
-    g.add_argument("--doc-max-len", type=int, default=256)
+    g.add_argument("--doc-max-len", type=int, default=256, help="document word pieces the encoder reads")
     g.add_argument("--xi", type=float, default=0.2, help="ξ, the margin before the lexical residual")
     g.add_argument("--lambda-train", type=float, default=0.05, help="λ_train, weight of the BM25 gap in the margin")
     g.add_argument("--constant-margin", action="store_true", help="ablation: m = ξ (no lexical residual)")
@@ -114,13 +113,13 @@ def add_clear_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def train_clear(args: argparse.Namespace):
     """CLEAR (BM25-residual margin) → W/checkpoints/clear (clear-constant with --constant-margin)."""
     from ckray.models.clear import CLEARConfig, CLEARLossConfig, CLEARTask
-    from ckray.train_job import run_training
+    from ckray.train_job import run_training, training_config
 
     name = args.name or ("clear-constant" if args.constant_margin else "clear")
     task = CLEARTask(model_config=CLEARConfig(encoder=args.encoder, doc_max_len=args.doc_max_len),
                      loss_config=CLEARLossConfig(xi=args.xi, lambda_train=args.lambda_train,
                                                  constant_margin=args.constant_margin), name=name)
-    return run_training(task, args, name, **CLEAR_TRAIN_DEFAULTS)
+    return run_training(task, args, training_config(args, name, **CLEAR_TRAIN_DEFAULTS))
 
 
 # --------------------------------------------------------------------------- models: CEDR
@@ -130,7 +129,9 @@ def add_cedr_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from ckray.models.encoders import DEFAULT_ENCODER
 
     g = p.add_argument_group("model (ckray.models.cedr)")
-    g.add_argument("--variant", choices=("knrm", "pacrr", "drmm", "vanilla"), default="knrm")
+    g.add_argument("--variant", choices=("knrm", "pacrr", "drmm", "vanilla"), default="knrm",
+                   help="the interaction ranker over the encoder's per-layer similarity matrices, joined with "
+                        "[CLS] (vanilla: BERT's [CLS] → linear alone)")
     g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
     g.add_argument("--num-layers", type=int, default=None,
                    help="use only the first L encoder layers (default: all of them)")
@@ -142,12 +143,12 @@ def add_cedr_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def train_cedr(args: argparse.Namespace):
     """A CEDR reranker (or vanilla BERT) → W/checkpoints/cedr-<variant> (vanilla-bert)."""
     from ckray.models.cedr import CEDRConfig, CEDRTask
-    from ckray.train_job import run_training
+    from ckray.train_job import run_training, training_config
 
     config = CEDRConfig(variant=args.variant, encoder=args.encoder, num_layers=args.num_layers,
                         max_length=args.max_length, max_segments=args.max_segments)
     task = CEDRTask(model_config=config)
-    return run_training(task, args, task.name, **CROSS_ENCODER_TRAIN_DEFAULTS)
+    return run_training(task, args, training_config(args, task.name, **CROSS_ENCODER_TRAIN_DEFAULTS))
 
 
 # --------------------------------------------------------------------------- models: QDS-Transformer
@@ -158,10 +159,13 @@ def add_qds_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model (ckray.models.qds)")
     g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
-    g.add_argument("--pattern", choices=("qds", "longformer-qa", "local"), default="qds")
+    g.add_argument("--pattern", choices=("qds", "longformer-qa", "local"), default="qds",
+                   help="attention: local window + [CLS]/query global + [SOS] sentence hierarchy (qds), "
+                        "without the hierarchy (longformer-qa), or the local window alone (local)")
     g.add_argument("--max-length", type=int, default=2048, help="tokens of [CLS] query [SEP] [SOS] sentences …")
     g.add_argument("--window", type=int, default=128, help="local attention window w")
-    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass: less memory, slower")
     g.add_argument("--head-lr-multiplier", type=float, default=1.0,
                    help="train the [CLS] score head this many times faster than the encoder")
     return p
@@ -170,13 +174,13 @@ def add_qds_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def train_qds(args: argparse.Namespace):
     """The QDS-Transformer cross-encoder → W/checkpoints/qds (qds-<pattern> for the ablations)."""
     from ckray.models.qds import QDSConfig, QDSTask
-    from ckray.train_job import run_training
+    from ckray.train_job import run_training, training_config
 
     name = "qds" if args.pattern == "qds" else f"qds-{args.pattern}"
     config = QDSConfig(encoder=args.encoder, max_length=args.max_length, window=args.window, pattern=args.pattern,
                        gradient_checkpointing=args.gradient_checkpointing)
     task = QDSTask(model_config=config, name=name, head_lr_multiplier=args.head_lr_multiplier)
-    return run_training(task, args, name, **CROSS_ENCODER_TRAIN_DEFAULTS)
+    return run_training(task, args, training_config(args, name, **CROSS_ENCODER_TRAIN_DEFAULTS))
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,15 @@ def model_parser(name: str, description: str | None = None) -> argparse.Argument
     return model.add_args(training_parser(description or f"train {name}", model.train_defaults))
 
 
+def check_training_flags(model: str, args: argparse.Namespace) -> None:
+    """Refuse ``model``'s invalid training-loop flags (naming the flag) without doing anything: what its
+    training stage checks first, for a caller that runs the stage later (the main job, before Ray)."""
+    from ckray.train_job import training_config, training_data_config
+
+    training_data_config(args)
+    training_config(args, MODELS[model].name, **MODELS[model].train_defaults)
+
+
 # --------------------------------------------------------------------------- indexes
 
 
@@ -237,7 +250,8 @@ def add_impact_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
                    help="how expansion candidates are chosen (window: cheap; position: GPU)")
     p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
-    p.add_argument("--scale", type=float, default=None, help="fixed quantisation scale (overrides --quant-max)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="fixed quantisation scale, overriding --quant-max (default: from --quant-max)")
     add_actor_pool_args(p)
     p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
     p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
@@ -267,12 +281,13 @@ def build_impact(args: argparse.Namespace) -> dict:
 
 
 def add_dense_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default W/checkpoints/clear)")
+    p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default: W/checkpoints/clear)")
     add_actor_pool_args(p)
     p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
     p.add_argument("--doc-max-len", type=int, default=None,
                    help="encode documents at this many word pieces (default: the checkpoint's doc_max_len)")
-    p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat")
+    p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat",
+                   help="faiss index kind (flat: exact inner product)")
     p.add_argument("--tune-split", default="train", help="qrels split whose queries tune λ_test (never test)")
     p.add_argument("--tune-queries", choices=("held-out", "all"), default="held-out",
                    help="tune λ_test on the held-out dev queries of --tune-split (those CLEAR did not train on) "
@@ -288,12 +303,12 @@ def build_dense(args: argparse.Namespace) -> dict:
     from ckray.index.dense import EmbedConfig, IndexConfig, build_dense_index, tune_hybrid
     from ckray.ray_env import init_ray
 
-    init_ray()
     checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
-    _, summary = build_dense_index(args.workdir, checkpoint,
-                                   EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
-                                               cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len),
-                                   IndexConfig(kind=args.index))
+    embed = EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
+                        cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len)
+    embed.validate()  # the flags are checked before Ray starts
+    init_ray()
+    _, summary = build_dense_index(args.workdir, checkpoint, embed, IndexConfig(kind=args.index))
     summary = dict(summary, **{"lambda": None})
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if args.tune_split in qrels:

@@ -127,36 +127,42 @@ class TrainConfig:
     # model's own initialisation: fine-tuning a trained checkpoint further with other data or settings
     init_from: str = ""
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
+        """Raise a :class:`ConfigError` naming the first invalid field (``ConfigError.invalid``: a job
+        that built this config from its flags names the flag instead, see :func:`config_from_args`)."""
+        resources = self.resources_per_worker
         checks = [
-            (self.workers >= 1, "workers must be >= 1"),
-            (self.zero_stage in (0, 1, 2, 3), "zero_stage must be 0, 1, 2 or 3"),
-            (self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
-            (self.lr > 0, "lr must be > 0"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (0 <= self.warmup_steps, "warmup_steps must be >= 0"),
-            (self.max_steps >= 1, "max_steps must be >= 1"),
-            (self.eval_every >= 0, "eval_every must be >= 0"),
-            (self.max_failures >= -1, "max_failures must be >= -1 (-1: retry forever)"),
-            (self.grad_clip >= 0, "grad_clip must be >= 0"),
-            (self.log_every >= 1, "log_every must be >= 1"),
-            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
-            (self.eval_batch_size >= 1, "eval_batch_size must be >= 1"),
-            (self.shuffle_buffer >= 0, "shuffle_buffer must be >= 0"),
-            (self.cpus_per_worker >= 1, "cpus_per_worker must be >= 1"),
-            (isinstance(self.resources_per_worker, dict)
-             and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
-                     for k, v in self.resources_per_worker.items()),
-             "resources_per_worker must map resource names to amounts >= 0"),
-            (not {"CPU", "GPU"} & set(self.resources_per_worker if isinstance(self.resources_per_worker, dict)
-                                      else {}),
-             "resources_per_worker: set CPUs with cpus_per_worker and GPUs with use_gpu"),
+            ("workers", self.workers >= 1, "must be >= 1"),
+            ("zero_stage", self.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+            ("precision", self.precision in PRECISIONS, f"must be one of {PRECISIONS}"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("grad_accum", self.grad_accum >= 1, "must be >= 1"),
+            ("lr", self.lr > 0, "must be > 0"),
+            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+            ("warmup_steps", 0 <= self.warmup_steps, "must be >= 0"),
+            ("max_steps", self.max_steps >= 1, "must be >= 1"),
+            ("eval_every", self.eval_every >= 0, "must be >= 0 (0: validate only at the end)"),
+            ("max_failures", self.max_failures >= -1, "must be >= -1 (-1: retry forever)"),
+            ("grad_clip", self.grad_clip >= 0, "must be >= 0 (0: no clipping)"),
+            ("log_every", self.log_every >= 1, "must be >= 1"),
+            ("keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1"),
+            ("eval_batch_size", self.eval_batch_size >= 1, "must be >= 1"),
+            ("shuffle_buffer", self.shuffle_buffer >= 0, "must be >= 0 (0: no shuffle)"),
+            ("cpus_per_worker", self.cpus_per_worker >= 1, "must be >= 1"),
+            ("resources_per_worker",
+             isinstance(resources, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                                                 for k, v in resources.items()),
+             "must map resource names to amounts >= 0"),
+            ("resources_per_worker", not {"CPU", "GPU"} & set(resources if isinstance(resources, dict) else {}),
+             "must not name CPU or GPU: set CPUs with cpus_per_worker (--cpus-per-worker) and GPUs with "
+             "use_gpu (--use-gpu)"),
         ]
-        for ok, message in checks:
+        for name, ok, problem in checks:
             if not ok:
-                raise ConfigError(f"TrainConfig: {message}")
+                raise ConfigError.invalid("TrainConfig", name, f"{problem}, got {getattr(self, name)!r}")
 
 
 class RankerTask(ABC):
@@ -376,7 +382,7 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
 # Command line
 # ----------------------------------------------------------------------------------------------
 
-_FLAGS: dict[str, str] = {  # TrainConfig field -> flag
+_FLAGS: dict[str, str] = {  # TrainConfig field -> its "--flag VALUE"
     "workers": "--workers", "zero_stage": "--zero-stage", "precision": "--precision",
     "batch_size": "--batch-size", "grad_accum": "--grad-accum", "lr": "--lr",
     "weight_decay": "--weight-decay", "warmup_steps": "--warmup-steps", "max_steps": "--max-steps",
@@ -386,6 +392,31 @@ _FLAGS: dict[str, str] = {  # TrainConfig field -> flag
     "eval_batch_size": "--eval-batch-size", "cpus_per_worker": "--cpus-per-worker",
     "init_from": "--init-from",
 }
+_HELP: dict[str, str] = {  # what each of _FLAGS sets, for --help
+    "workers": "Ray Train workers (one model replica each)",
+    "zero_stage": "DeepSpeed ZeRO stage (0 with a single worker)",
+    "precision": "auto: bf16 autocast on a GPU, fp32 on CPU",
+    "batch_size": "training triples per worker and micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "lr": "peak learning rate (AdamW, linear warm-up and decay)",
+    "weight_decay": "AdamW weight decay (none on biases and norms)",
+    "warmup_steps": "linear warm-up steps",
+    "max_steps": "optimizer steps in all (a finished run is not trained again)",
+    "eval_every": "validate on dev every N steps (0: only at the end)",
+    "seed": "random seed (model initialisation, data order)",
+    "max_failures": "worker-group restarts from the latest checkpoint (-1: forever)",
+    "grad_clip": "gradient norm clipping (0: none)",
+    "output_dir": "where the best checkpoint is written",
+    "storage_dir": "Ray Train storage: run state and DeepSpeed checkpoints",
+    "run_name": "run directory under --storage-dir (resumed when it exists)",
+    "log_every": "progress line every N steps",
+    "keep_checkpoints": "best-by-dev checkpoints kept (the latest is kept as well)",
+    "eval_batch_size": "(query, document) pairs per scoring call in validation",
+    "cpus_per_worker": "CPUs reserved per worker (= its torch threads)",
+}
+# every TrainConfig field's flag (add_train_args), e.g. for naming the flag of an invalid field
+TRAIN_FLAGS: dict[str, str] = {**_FLAGS, "resources_per_worker": "--resources-per-worker", "use_gpu": "--use-gpu",
+                               "eval_at_start": "--no-eval-at-start", "resume": "--no-resume"}
 
 
 def add_train_args(parser: argparse.ArgumentParser,
@@ -401,12 +432,13 @@ def add_train_args(parser: argparse.ArgumentParser,
     shown = {name: getattr(base, name) for name in _FLAGS} | dict(defaults or {})
     for name, flag in _FLAGS.items():
         value = shown[name]
+        shown_value = value if isinstance(value, str) and value else repr(value)
         kwargs: dict[str, Any] = {"dest": f"train_{name}", "default": None, "type": type(getattr(base, name)),
-                                  "help": f"(default: {value if isinstance(value, str) and value else repr(value)})"}
+                                  "metavar": name.upper(), "help": f"{_HELP.get(name, '')} (default: {shown_value})"}
         if name == "precision":
-            kwargs["choices"] = PRECISIONS
+            kwargs.update(choices=PRECISIONS, metavar=None)
         if name == "zero_stage":
-            kwargs["choices"] = (0, 1, 2, 3)
+            kwargs.update(choices=(0, 1, 2, 3), metavar=None)
         if name == "init_from":
             kwargs.update(metavar="CKPT", help="start from this saved checkpoint's weights (a W/checkpoints/<name> "
                                                "directory of the same model) to fine-tune it further "
@@ -419,9 +451,9 @@ def add_train_args(parser: argparse.ArgumentParser,
     group.add_argument("--use-gpu", dest="train_use_gpu", action="store_true", default=None,
                        help="one GPU per worker (default: CPU)")
     group.add_argument("--no-eval-at-start", dest="train_eval_at_start", action="store_false", default=None,
-                       help="skip validating the untrained model (step 0)")
+                       help="skip validating the untrained model (default: validate it, step 0)")
     group.add_argument("--no-resume", dest="train_resume", action="store_false", default=None,
-                       help="start over: delete the run directory instead of resuming from it")
+                       help="start over: delete the run directory instead of resuming from it (default: resume)")
     return parser
 
 
@@ -448,14 +480,17 @@ def parse_resources(text: str) -> dict[str, float]:
 
 def config_from_args(args: argparse.Namespace, **defaults: Any) -> TrainConfig:
     """A :class:`TrainConfig` from parsed flags; ``defaults`` (a job's own choices, e.g.
-    ``output_dir=W/checkpoints/ck-qti``, ``lr=3e-5``) apply where the flag was not given."""
-    config = TrainConfig(**defaults)
+    ``output_dir=W/checkpoints/ck-qti``, ``lr=3e-5``) apply where the flag was not given. An invalid
+    value is refused naming its flag (``--max-steps must be >= 1, got 0``)."""
+    values = dict(defaults)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(args, f"train_{f.name}", None)
         if value is not None:
-            setattr(config, f.name, value)
-    config.validate()
-    return config
+            values[f.name] = value
+    try:
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        raise exc.for_flags(TRAIN_FLAGS) from None
 
 
 # ----------------------------------------------------------------------------------------------

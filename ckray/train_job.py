@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
-from ckray.train import RankerTask, TrainResult, add_train_args, config_from_args, fit
+from ckray.train import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +20,15 @@ log = logging.getLogger(__name__)
 def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("training data (ckray.data.examples)")
     d = TrainingDataConfig()
-    g.add_argument("--train-split", dest="data_split", default=d.split, help="qrels split used for training")
+    g.add_argument("--train-split", dest="data_split", default=d.split, metavar="SPLIT",
+                   help="qrels split used for training")
     g.add_argument("--dev-fraction", type=float, default=d.dev_fraction, help="training queries held back for validation")
-    g.add_argument("--negatives-per-positive", type=int, default=d.negatives_per_positive)
+    g.add_argument("--negatives-per-positive", type=int, default=d.negatives_per_positive,
+                   help="training triples (negatives) per judged positive")
     g.add_argument("--negative-depth", type=int, default=d.negative_depth, help="sample negatives from BM25 top-N")
     g.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 candidates reranked in validation")
-    g.add_argument("--max-dev-queries", type=int, default=d.max_dev_queries)
+    g.add_argument("--max-dev-queries", type=int, default=d.max_dev_queries,
+                   help="validate on at most N of the held-back queries (the rest is not trained on either)")
     g.add_argument("--max-triples", type=int, default=0, help="use at most N training triples (0: all)")
     g.add_argument("--weak-titles", type=int, default=d.weak_titles, metavar="N",
                    help="weak supervision: add N corpus documents' title → body pairs with the title's BM25 "
@@ -36,7 +39,8 @@ def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.Argument
                         "W/runs/ck-qti-train.trec from jobs/evaluate.py --split train (default: BM25 only)")
     g.add_argument("--hard-negatives-per-positive", type=int, default=d.hard_negatives_per_positive,
                    help="of --negatives-per-positive, this many from the run's top --hard-negative-depth")
-    g.add_argument("--hard-negative-depth", type=int, default=d.hard_negative_depth)
+    g.add_argument("--hard-negative-depth", type=int, default=d.hard_negative_depth,
+                   help="hard negatives from the run's top-N")
     return parser
 
 
@@ -53,18 +57,38 @@ def training_parser(description: str, train_defaults: Mapping[str, Any] | None =
                           {**RUN_LAYOUT_DEFAULTS, **(train_defaults or {})})
 
 
-def training_data(args: argparse.Namespace) -> TrainingData:
-    from ckray.data.collections import read_queries_and_qrels
-    from ckray.data.prepare import prepare_collection
+def training_data_config(args: argparse.Namespace) -> TrainingDataConfig:
+    """The training data's config from a training job's flags (checked: an invalid one names its flag)."""
     from ckray.errors import ConfigError
 
-    config = TrainingDataConfig(  # checks the flags before any work
+    if args.max_triples < 0:
+        raise ConfigError(f"--max-triples must be >= 0 (0: all), got {args.max_triples}")
+    return TrainingDataConfig(
         split=args.data_split, dev_fraction=args.dev_fraction,
         negatives_per_positive=args.negatives_per_positive,
         negative_depth=args.negative_depth, dev_depth=args.dev_depth,
         max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
         weak_depth=args.weak_depth, hard_negative_run=args.hard_negative_run,
         hard_negatives_per_positive=args.hard_negatives_per_positive, hard_negative_depth=args.hard_negative_depth)
+
+
+def training_config(args: argparse.Namespace, name: str, **train_defaults: Any) -> TrainConfig:
+    """The training loop's config of the run ``name`` (``W/checkpoints/<name>``, run state under ``W/train``):
+    the job's flags over ``train_defaults``, the model's own choices. An invalid flag is refused here,
+    naming it (``--max-steps must be >= 1, got 0``): a job builds this before it starts Ray or any work."""
+    return config_from_args(args, output_dir=str(Path(args.workdir) / "checkpoints" / name),
+                            storage_dir=str(Path(args.workdir).resolve() / "train"), run_name=name,
+                            **train_defaults)
+
+
+def training_data(args: argparse.Namespace) -> TrainingData:
+    """The training triples and dev set of a training job's flags; prepares the collection (shards,
+    BM25, negatives) where the work directory lacks it."""
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.data.prepare import prepare_collection
+    from ckray.errors import ConfigError
+
+    config = training_data_config(args)  # checks the flags before any work
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if args.data_split not in qrels:
         raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")
@@ -78,14 +102,14 @@ def training_data(args: argparse.Namespace) -> TrainingData:
     return td
 
 
-def run_training(task: RankerTask, args: argparse.Namespace, name: str, td: TrainingData | None = None,
-                 **train_defaults) -> TrainResult:
-    """Train ``task`` and write ``W/checkpoints/<name>`` (+ ``train_summary.json``). ``td``: training data a
-    job already built (e.g. to derive corpus statistics first); built from ``args`` otherwise."""
+def run_training(task: RankerTask, args: argparse.Namespace, config: TrainConfig,
+                 td: TrainingData | None = None) -> TrainResult:
+    """Train ``task`` with ``config`` (:func:`training_config`) and write ``config.output_dir``
+    (``W/checkpoints/<name>``, + ``train_summary.json``). ``td``: training data a job already built (e.g.
+    to derive corpus statistics first); built from ``args`` otherwise."""
     td = td or training_data(args)
-    out = Path(args.workdir) / "checkpoints" / name
-    config = config_from_args(args, output_dir=str(out), storage_dir=str(Path(args.workdir).resolve() / "train"),
-                              run_name=name, **train_defaults)
+    out = Path(config.output_dir)
+    name = out.name   # the checkpoint's name (W/checkpoints/<name>)
     summary_path = out / "train_summary.json"
     previous = summary_path.read_bytes() if summary_path.exists() else None  # fit replaces the directory
     result = fit(task, td.triples, td.dev, config)

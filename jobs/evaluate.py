@@ -15,14 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
 
-from ckray.cli import base_parser, run_job  # noqa: E402
+from ckray.cli import base_parser, dataclass_from_args, run_job  # noqa: E402
 
 
 def main(args) -> None:
     from ckray.evaluate import EvaluateConfig, evaluate_pipelines, format_table
 
-    config = EvaluateConfig(data=args.data, workdir=args.workdir, pipelines=args.pipeline or ["bm25"],
-                            split=args.split, k=args.k, rerank_depth=args.rerank_depth)
+    config = dataclass_from_args(EvaluateConfig, args, pipelines=args.pipeline or ["bm25"])  # checks the flags
     results = evaluate_pipelines(config)
     print(format_table(results, config.split))
 
@@ -31,7 +30,7 @@ def parser():
     p = base_parser(__doc__)
     p.add_argument("--pipeline", action="append",
                    help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm, clear+cedr-knrm (default: bm25)")
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default="test", help="qrels split whose queries are evaluated")
     p.add_argument("--k", type=int, default=1000, help="results kept per query")
     p.add_argument("--rerank-depth", type=int, default=100, help="first-stage results a reranker rescores")
     return p

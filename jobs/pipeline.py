@@ -44,7 +44,7 @@ def parser():
                    help=f"comma-separated models to train and index (default: all of {','.join(MODEL_DEFAULTS)}; "
                         "'' for none)")
     p.add_argument("--workers", type=int, default=2, help="Ray Train workers per model")
-    p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--use-gpu", action="store_true", help="one GPU per training worker and index actor")
     p.add_argument("--max-steps", type=int, default=None,
                    help="training steps of every model (default: per model, "
                         + ", ".join(f"{m} {d['steps']}" for m, d in MODEL_DEFAULTS.items()) + ")")

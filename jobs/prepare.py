@@ -13,9 +13,10 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 def main(args) -> None:
     from ckray.data.collections import load_collection
-    from ckray.data.prepare import prepare_collection
+    from ckray.data.prepare import check_prepare_options, prepare_collection
 
-    collection = load_collection(args.data, allow_unknown=args.allow_unknown_qrels)
+    check_prepare_options(args.shards, args.threads, args.negative_depth)  # before reading the collection
+    collection = load_collection(args.data, strict_qrels=args.strict_qrels)
     print(f"collection {collection.name}: {collection.stats}")
     prepared = prepare_collection(args.data, args.workdir, shards=args.shards,
                                   split=None if args.no_negatives else args.train_split, collection=collection,
@@ -30,8 +31,9 @@ def parser():
     p.add_argument("--train-split", default="train", help="qrels split whose queries get BM25 negatives")
     p.add_argument("--negative-depth", type=int, default=1000, help="BM25 depth for training negatives")
     p.add_argument("--no-negatives", action="store_true", help="skip the training negatives")
-    p.add_argument("--allow-unknown-qrels", action="store_true",
-                   help="keep going when qrels point at unknown documents or queries (they are counted)")
+    p.add_argument("--strict-qrels", action="store_true",
+                   help="refuse qrels that name a document not in the corpus or a query without a text; "
+                        "without it they are kept, counted and reported once")
     return p
 
 

@@ -90,18 +90,6 @@ def test_stage_job_scripts_show_their_help(job, monkeypatch, capsys):
     assert f"python jobs/{job}.py --data DIR --workdir W" in out and "(default: None)" not in out
 
 
-def test_training_help_shows_each_models_own_defaults():
-    from ckray.stages import MODELS, stage_parser
-
-    assert MODELS["clear"].train_defaults["lr"] != MODELS["ck-qti"].train_defaults["lr"]
-    for name, model in MODELS.items():
-        text = stage_parser(f"train:{name}").format_help()
-        for field, value in model.train_defaults.items():
-            flag = "--" + field.replace("_", "-")
-            assert re.search(rf"{flag} \S+\s+\(default: {re.escape(repr(value))}\)", text), (name, flag)
-        assert re.search(r"--output-dir \S+\s+\(default: W/checkpoints/<name>\)", text)
-
-
 def test_stage_job_main_exits_0_after_the_stage_and_2_on_a_ckray_error(monkeypatch, tmp_path):
     from ckray import stages
 

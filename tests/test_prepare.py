@@ -50,14 +50,17 @@ def test_prepare_collection_keeps_the_shard_count_and_runs_the_steps_asked_for(r
     w = tmp_path / "w"
     assert requested_shards(w) == PrepareConfig.shards and requested_shards(w, 5) == 5
     got = prepare_collection(sample, w, shards=3, split=None, bm25=False)  # shards only
-    assert len(got.manifest["shards"]) == 3 and got.bm25_index is None and got.negatives is None
+    assert len(got.manifest["shards"]) == 3 and got.bm25_index is None and got.negatives is None and got.did_work
+    assert not prepare_collection(sample, w, split=None, bm25=False).did_work  # up to date
     assert not (w / "bm25").exists() and requested_shards(w) == 3
     with pytest.raises(ValueError, match="BM25"):
         prepare_collection(sample, w, split="train", bm25=False)
     got = prepare_collection(sample, w, split="dev")  # no qrels for "dev": shards kept, BM25, no negatives
     assert got.manifest["num_shards_requested"] == 3 and got.bm25_index.is_dir() and got.negatives is None
+    assert got.did_work  # the BM25 index
     got = prepare_collection(sample, w)  # the training split's negatives
-    assert got.negatives == negatives_path(w, "train") and got.negatives.exists()
+    assert got.negatives == negatives_path(w, "train") and got.negatives.exists() and got.did_work
+    assert not prepare_collection(sample, w).did_work  # everything up to date
     assert set(pq.read_table(got.negatives, columns=["query_id"]).column(0).to_pylist()) \
         <= set(load_collection(sample).qrels["train"])
 

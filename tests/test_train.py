@@ -375,6 +375,18 @@ def test_invalid_config_is_refused(bad):
         TrainConfig(**bad).validate()
 
 
+def test_an_invalid_field_names_its_flag_when_built_from_flags():
+    with pytest.raises(ConfigError, match=r"^TrainConfig\.max_steps must be >= 1, got 0$"):
+        TrainConfig(max_steps=0)   # refused as it is made, not first in fit
+    parser = add_train_args(argparse.ArgumentParser())
+    with pytest.raises(ConfigError, match=r"^--max-steps must be >= 1, got 0$"):
+        config_from_args(parser.parse_args(["--max-steps", "0"]))
+    with pytest.raises(ConfigError, match=r"^--cpus-per-worker must be >= 1, got 0$"):
+        config_from_args(parser.parse_args(["--cpus-per-worker", "0"]))
+    with pytest.raises(ConfigError, match=r"^--lr must be > 0, got -1.0$"):   # a job's own default is named too
+        config_from_args(parser.parse_args([]), lr=-1.0)
+
+
 def test_bad_inputs_are_refused_before_training(tmp_path):
     dev = make_dev(2, 3)
     with pytest.raises(ConfigError, match="lack columns.*neg_text"):

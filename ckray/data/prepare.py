@@ -22,7 +22,7 @@ from ckray import __version__
 from ckray.data.collections import corpus_file, corpus_table, parse_corpus_lines
 from ckray.data.shards import (MANIFEST, file_sha256, is_done, mark_done, read_json, shard_name,
                                shards_dir, write_json_atomic, write_parquet_atomic)
-from ckray.errors import CollectionError
+from ckray.errors import CollectionError, ConfigError
 
 if TYPE_CHECKING:
     from ckray.data.collections import Collection
@@ -35,6 +35,17 @@ class PrepareConfig:
     data: str
     workdir: str
     shards: int = 4
+
+    def __post_init__(self) -> None:
+        check_prepare_options(shards=self.shards)
+
+
+def check_prepare_options(shards: int | None = None, threads: int = 1, negative_depth: int = 1) -> None:
+    """Refuse a shard count, thread count or negative depth below 1 (``ConfigError.invalid``: a job names
+    its flag, ``--shards``)."""
+    for name, value in (("shards", shards), ("threads", threads), ("negative_depth", negative_depth)):
+        if value is not None and value < 1:
+            raise ConfigError.invalid("prepare", name, f"must be >= 1, got {value}")
 
 
 @dataclass
@@ -141,6 +152,7 @@ class PreparedCollection:
     manifest: dict                      # the shards' manifest (``W/shards/_manifest.json``)
     bm25_index: Path | None = None      # ``W/bm25/index``; None when the BM25 step was not asked for
     negatives: Path | None = None       # ``W/negatives/<split>.parquet``; None when not built
+    did_work: bool = False              # whether anything was (re)written; False: all was up to date
 
 
 def requested_shards(workdir: str | os.PathLike, shards: int | None = None) -> int:
@@ -167,11 +179,22 @@ def prepare_collection(data: str | os.PathLike, workdir: str | os.PathLike, shar
     """
     if split is not None and not bm25:
         raise ValueError("BM25 negatives need the BM25 index: pass split=None with bm25=False")
+    check_prepare_options(shards, threads, negative_depth)
     if split is not None and collection is None:
         from ckray.data.collections import load_collection
 
         collection = load_collection(data)
     workdir = str(workdir)
+    outputs = _output_files(workdir, split)
+    written_before = _mtimes(outputs)
+    prepared = _prepare(data, workdir, shards, split, bm25, collection, threads, negative_depth)
+    prepared.did_work = _mtimes(outputs) != written_before
+    return prepared
+
+
+def _prepare(data: str | os.PathLike, workdir: str, shards: int | None, split: str | None, bm25: bool,
+             collection: Collection | None, threads: int, negative_depth: int) -> PreparedCollection:
+    """:func:`prepare_collection`'s steps, each skipped when up to date."""
     manifest = prepare_shards(PrepareConfig(data=str(data), workdir=workdir,
                                             shards=requested_shards(workdir, shards)))
     prepared = PreparedCollection(manifest)
@@ -190,3 +213,16 @@ def prepare_collection(data: str | os.PathLike, workdir: str | os.PathLike, shar
     prepared.negatives = build_negatives(workdir, collection.split_queries(split), collection.qrels[split],
                                          split=split, depth=negative_depth, threads=threads)
     return prepared
+
+
+def _output_files(workdir: str, split: str | None) -> list[Path]:
+    """The files each prepare step writes last when it does its work (and leaves alone when up to date)."""
+    from ckray.data.examples import negatives_path, positives_path
+    from ckray.lexical.bm25 import META, bm25_index_dir
+
+    files = [shards_dir(workdir) / MANIFEST, bm25_index_dir(workdir) / META]
+    return files + ([negatives_path(workdir, split), positives_path(workdir, split)] if split else [])
+
+
+def _mtimes(files: list[Path]) -> list[int | None]:
+    return [f.stat().st_mtime_ns if f.exists() else None for f in files]
