@@ -70,6 +70,12 @@ class FullPipelineConfig:
     flags: dict[str, list[str]] = field(default_factory=dict)   # extra job flags per model (last wins)
     timings: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name in ("workers", "max_steps", "shards", "rerank_depth"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError.invalid("FullPipelineConfig", name, f"must be >= 1, got {value}")
+
     def selected_models(self) -> list[str]:
         models = MODEL_ORDER if self.models is None else [m.strip() for m in self.models if m.strip()]
         unknown = [m for m in models if m not in MODEL_DEFAULTS]
@@ -78,15 +84,44 @@ class FullPipelineConfig:
         return [m for m in MODEL_ORDER if m in models]   # dependency order, no duplicates
 
 
+@dataclass
+class StageRun:
+    """One stage in one run of the main job: whether it did its work (False: everything was up to date)."""
+
+    did_work: bool = True
+
+
 @contextmanager
-def _stage(timings: dict, name: str) -> Iterator[None]:
+def _stage(timings: dict, did_work: dict[str, bool], name: str) -> Iterator[StageRun]:
+    """Time a stage into ``timings[name]``; the stage sets ``did_work`` on what it yields."""
     log.info("stage %s: started", name)
+    run = StageRun()
     t0 = time.time()
     try:
-        yield
+        yield run
     finally:
         timings[name] = time.time() - t0
-        log.info("stage %s: done in %.1f s", name, timings[name])
+        did_work[name] = run.did_work
+        log.info("stage %s: %s in %.1f s", name, "done" if run.did_work else "up to date, skipped", timings[name])
+
+
+def stage_work_times(timings: dict[str, float], did_work: dict[str, bool],
+                     previous: dict[str, float | None]) -> dict[str, float | None]:
+    """Each stage's wall time in the last run that did its work: this run's where the stage worked, else
+    ``previous`` (the last run's record; None: not known). A re-run that skips finished work thus keeps
+    telling what each stage costs; its own skip times stay in ``timings``."""
+    return {name: seconds if did_work[name] else previous.get(name)
+            for name, seconds in timings.items() if name in did_work}
+
+
+def _previous_work_times(workdir: Path) -> dict[str, float | None]:
+    """The stage work times the last run of the main job wrote to ``W/pipeline_summary.json``."""
+    path = workdir / "pipeline_summary.json"
+    try:
+        return dict(json.loads(path.read_text()).get("stage_work_s") or {}) if path.exists() else {}
+    except (json.JSONDecodeError, TypeError, ValueError):
+        log.warning("%s is unreadable: stage times of earlier runs are not known", path)
+        return {}
 
 
 def available_pipelines(workdir: str | Path, interpolated: bool = True) -> list[str]:
@@ -142,14 +177,16 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
     metrics file); returns the metrics and the names evaluated now. ``first>reranker`` and
     ``first+reranker`` both due are evaluated together (one reranking, see
     ``ckray.evaluate.evaluate_pipelines``); stamps are written as each is done, so a stopped run resumes."""
-    from ckray.data.collections import read_queries_and_qrels
+    from ckray.data.collections import judged_queries, read_queries_and_qrels
     from ckray.data.shards import read_json, write_json_atomic
     from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path
     from ckray.pipelines import parse_pipeline
 
     queries, qrels = read_queries_and_qrels(Path(data))
+    if split not in qrels:
+        raise ConfigError(f"--split {split!r}: {data} has qrels for {sorted(qrels)}")
     split_qrels = qrels[split]
-    split_q = {q: queries[q] for q in split_qrels if q in queries}
+    split_q = judged_queries(Path(data), queries, qrels, split)
 
     def config_for(names: list[str]) -> EvaluateConfig:
         return EvaluateConfig(data=data, workdir=str(workdir), pipelines=names, split=split,
@@ -199,12 +236,12 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     from ckray.data.prepare import prepare_collection
     from ckray.ray_env import init_ray
     from ckray.report import write_report
-    from ckray.stages import MODELS, build_dense, build_impact, parse_stage_args
+    from ckray.stages import MODELS, build_dense, build_impact, check_training_flags, parse_stage_args
 
     models = config.selected_models()
     workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    timings = config.timings
+    timings, did_work = config.timings, {}
     t_start = time.time()
     data = config.data
     if data is None:
@@ -212,22 +249,26 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
 
         data = str(generate_sample(workdir / "sample-data"))  # deterministic: same bytes every time
         log.info("generated the bundled sample collection in %s", data)
+    train_args = {m: parse_stage_args(f"train:{m}", _train_argv(config, data, m)) for m in models}
+    for model, args in train_args.items():
+        check_training_flags(model, args)  # before Ray starts: a bad --max-steps fails now, not after prepare
     init_ray()
 
-    with _stage(timings, "prepare"):
+    with _stage(timings, did_work, "prepare") as stage:
         collection = load_collection(data)
         if config.split not in collection.qrels:
             raise ConfigError(f"--split {config.split!r}: {data} has qrels for {sorted(collection.qrels)}")
-        prepare_collection(data, workdir, shards=config.shards, split=config.train_split, collection=collection)
         if models and config.train_split not in collection.qrels:
             raise ConfigError(f"training needs qrels for {config.train_split!r}; {data} has {sorted(collection.qrels)}"
                               " (pass --models '' to evaluate BM25 only)")
+        stage.did_work = prepare_collection(data, workdir, shards=config.shards, split=config.train_split,
+                                            collection=collection).did_work
 
     training: dict[str, dict] = {}
     for model in models:
-        with _stage(timings, f"train {model}"):
-            args = parse_stage_args(f"train:{model}", _train_argv(config, data, model))
-            result = MODELS[model].train(args)
+        with _stage(timings, did_work, f"train {model}") as stage:
+            result = MODELS[model].train(train_args[model])
+            stage.did_work = result.steps > result.start_step
         training[model] = {
             "checkpoint": str(result.best_checkpoint), "steps": result.steps,
             "steps_this_run": result.steps - result.start_step, "trained": result.steps > result.start_step,
@@ -240,30 +281,36 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     index: dict[str, dict] = {}
     gpu = ["--use-gpu"] if config.use_gpu else []
     if "ck-qti" in models:
-        with _stage(timings, "index ck-qti (impact)"):
+        with _stage(timings, did_work, "index ck-qti (impact)") as stage:
             argv = ["--data", data, "--workdir", str(workdir), *IMPACT_FLAGS] + gpu
             s = build_impact(parse_stage_args("index:ck-qti", argv))
             index["ck-qti"] = {"documents": s.get("total_documents"), "shards_scored": s.get("shards_written"),
                                "shards_skipped": s.get("shards_skipped"), "index_built": s.get("index_built")}
+            stage.did_work = bool(s.get("shards_written") or s.get("index_built"))
     if "clear" in models:
-        with _stage(timings, "index clear (dense + λ)"):
+        with _stage(timings, did_work, "index clear (dense + λ)") as stage:
             argv = ["--data", data, "--workdir", str(workdir), "--tune-split", config.train_split] + gpu
             s = build_dense(parse_stage_args("index:clear", argv))
             index["clear"] = {"shards_embedded": s.get("shards_written"), "shards_skipped": s.get("shards_skipped"),
                               "lambda": s.get("lambda"), "tune_queries": s.get("tune_queries")}
+            stage.did_work = bool(s.get("shards_written"))  # embedding is the work; the flat index and λ are redone
 
-    with _stage(timings, "evaluate"):
+    with _stage(timings, did_work, "evaluate") as stage:
         pipelines = available_pipelines(workdir)
         results, evaluated = evaluate_or_reuse(data, workdir, pipelines, config.split, config.rerank_depth,
                                                force=config.reevaluate)
+        stage.did_work = bool(evaluated)
     timings["total"] = time.time() - t_start
+    work_times = stage_work_times(timings, did_work, _previous_work_times(workdir))
     summary = {"data": data, "split": config.split, "models": models, "pipelines": pipelines,
                "evaluated": evaluated, "rerank_depth": config.rerank_depth, "results": results,
-               "training": training, "index": index, "timings_s": dict(timings)}
+               "training": training, "index": index, "timings_s": dict(timings), "stage_did_work": did_work,
+               "stage_work_s": work_times}
     (workdir / "pipeline_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     notes = [f"Rerank depth {config.rerank_depth}; models trained on the {config.train_split!r} queries of {data}."]
     reused = [p for p in pipelines if p not in evaluated]
     if reused:
         notes.append("Metrics reused, their inputs unchanged since computed (--reevaluate to redo): "
                      f"{', '.join(reused)}.")
-    return write_report(results, workdir, config.split, timings=timings, training=training, notes=notes)
+    return write_report(results, workdir, config.split, timings=timings, training=training, notes=notes,
+                        work_times=work_times, did_work=did_work)

@@ -1,5 +1,8 @@
 """The pipeline report: Markdown tables (every pipeline's metrics, training, per-stage wall times)
-and a PNG chart (metrics per pipeline; wall time per stage)."""
+and a PNG chart (metrics per pipeline; wall time per stage).
+
+A stage's time is shown twice: its time in the last run that did its work (what the stage costs) and
+its time in this run, which for a stage that found its work done is the time it took to see that."""
 
 from __future__ import annotations
 
@@ -20,10 +23,33 @@ def training_rows(training: dict[str, dict]) -> list[list[str]]:
     return rows
 
 
+def stage_rows(timings: dict[str, float], work_times: dict[str, float | None] | None = None,
+               did_work: dict[str, bool] | None = None) -> list[list[str]]:
+    """[stage, work time, this run's time] per stage of ``timings`` (this run's, with its ``total``).
+    ``work_times``: each stage's time in the last run that did its work (``ckray.full_pipeline.stage_work_times``;
+    None: not known); ``did_work``: whether the stage did it in this run (a stage that did not shows
+    "(up to date)" after its time). Without them every stage did its work in this run. The total's work
+    time is the sum of the stages' (when each is known)."""
+    did_work = did_work or {}
+    work_times = {k: v for k, v in timings.items() if k != "total"} if work_times is None else work_times
+    rows = []
+    for name, seconds in timings.items():
+        if name == "total":
+            known = [work_times.get(k) for k in timings if k != "total"]
+            work = sum(known) if None not in known else None
+        else:
+            work = work_times.get(name)
+        note = "" if did_work.get(name, True) else " (up to date)"
+        rows.append([name, "–" if work is None else f"{work:.1f}", f"{seconds:.1f}{note}"])
+    return rows
+
+
 def write_report(results: dict[str, dict[str, float]], workdir: str | Path, split: str,
                  timings: dict | None = None, training: dict[str, dict] | None = None,
-                 notes: list[str] | None = None) -> str:
-    """Write ``W/report.md`` and ``W/report.png``; return the text to print (tables + paths)."""
+                 notes: list[str] | None = None, work_times: dict[str, float | None] | None = None,
+                 did_work: dict[str, bool] | None = None) -> str:
+    """Write ``W/report.md`` and ``W/report.png``; return the text to print (tables + paths). ``timings``:
+    this run's wall time per stage and in ``total``; ``work_times``, ``did_work``: see :func:`stage_rows`."""
     workdir = Path(workdir)
     measures = _measures(results)
     md = [f"# ckray report ({split})", ""]
@@ -32,7 +58,7 @@ def write_report(results: dict[str, dict[str, float]], workdir: str | Path, spli
     md += [f"| {name} | " + " | ".join(f"{m[k]:.4f}" for k in measures) + " |" for name, m in results.items()]
     text = [format_table(results, split)]
     if training:
-        header = ["model", "steps", "this run", "best dev nDCG@10", "wall time (s)"]
+        header = ["model", "steps", "this run", "best dev nDCG@10", "this run (s)"]
         rows = training_rows(training)
         md += ["", "## Training (dev = held-back training queries)", "",
                "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
@@ -40,16 +66,19 @@ def write_report(results: dict[str, dict[str, float]], workdir: str | Path, spli
         text += ["", "training:"] + [f"  {r[0]:<10} {r[1]:>5} steps  {r[2]:<26} dev nDCG@10 {r[3]}  {r[4]:>7} s"
                                      for r in rows]
     if timings:
-        md += ["", "## Stages", "", "| stage | wall time (s) |", "|---|---|"]
-        md += [f"| {k} | {v:.1f} |" for k, v in timings.items()]
-        text += ["", "stage wall times:"] + [f"  {k:<24} {v:>8.1f} s" for k, v in timings.items()]
+        rows = stage_rows(timings, work_times, did_work)
+        md += ["", "## Stages", "", "Wall time of each stage in the last run that did its work (total: their sum), "
+               "and in this run (total: start to end).", "", "| stage | work (s) | this run (s) |", "|---|---|---|"]
+        md += ["| " + " | ".join(r) + " |" for r in rows]
+        text += ["", "stage wall times (work; this run):"] + [f"  {r[0]:<24} {r[1]:>8} s   {r[2]} s" for r in rows]
     (workdir / "report.md").write_text("\n".join(md) + "\n")
-    _chart(results, workdir / "report.png", split, timings)
+    _chart(results, workdir / "report.png", split, timings, work_times)
     text += ["", f"report: {workdir / 'report.md'}, chart: {workdir / 'report.png'}"]
     return "\n".join(text)
 
 
-def _chart(results: dict[str, dict[str, float]], path: Path, split: str, timings: dict | None = None) -> None:
+def _chart(results: dict[str, dict[str, float]], path: Path, split: str, timings: dict | None = None,
+           work_times: dict[str, float | None] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,6 +87,7 @@ def _chart(results: dict[str, dict[str, float]], path: Path, split: str, timings
     names = list(results)
     measures = _measures(results)
     stages = {k: v for k, v in (timings or {}).items() if k != "total"}
+    work = {k: (work_times or stages).get(k) for k in stages}
     width_in = max(7, 0.5 * len(names) * max(1, len(measures)) / 2 + 3)
     fig, axes = plt.subplots(1, 2 if stages else 1, figsize=(width_in + (5 if stages else 0), 4.5),
                              gridspec_kw={"width_ratios": [width_in, 5]} if stages else None, squeeze=False)
@@ -71,9 +101,17 @@ def _chart(results: dict[str, dict[str, float]], path: Path, split: str, timings
     ax.legend(fontsize=8)
     if stages:
         ax = axes[0][1]
-        ax.barh(list(stages)[::-1], list(stages.values())[::-1], color="gray")
+        names = list(stages)[::-1]
+        ys = range(len(names))
+        ax.barh([y + 0.2 for y in ys], [work[n] or 0.0 for n in names], 0.4, color="gray",
+                label="last run that did the work")
+        ax.barh([y - 0.2 for y in ys], [stages[n] for n in names], 0.4, color="tab:blue", label="this run")
+        ax.set_yticks(list(ys), names)
         ax.set_xlabel("wall time (s)")
-        ax.set_title(f"stages (total {(timings or {}).get('total', sum(stages.values())):.0f} s)")
+        total = (timings or {}).get("total", sum(stages.values()))
+        ax.set_title(f"stages: {sum(w for w in work.values() if w is not None):.0f} s of work; "
+                     f"this run {total:.0f} s", fontsize=10)
+        ax.legend(fontsize=7)
         ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

