@@ -40,10 +40,14 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+
+import swagger_ui_bundle
 
 from ckray import __version__
 from ckray.errors import ConfigError
@@ -61,6 +65,9 @@ MAX_RETRIEVERS = 8           # retrievers fused in one request
 MAX_BODY_BYTES = 64 * 1024   # request bodies above this get 413
 RRF_K = 60                   # the constant of reciprocal-rank fusion (Cormack et al., 2009)
 ATTEMPTS = 3                 # tries of a call to a deployment whose replica died (Serve restarts it)
+READY_TIMEOUT_S = 2.0        # GET /readyz: how long each deployment may take to answer
+WARM_UP_QUERY = "ready"      # searched / scored once by each replica before it takes traffic
+DOCS_ASSETS = "/docs-assets"  # Swagger UI's JavaScript and CSS, served by the ingress itself
 
 
 # ============================================================================ fusion
@@ -243,6 +250,11 @@ class RetrieverDeployment:
     def __init__(self, name: str, factory: str, workdir: str, options: dict[str, Any]):
         self.name = name
         self.retriever = build_retriever(factory, workdir, **options)
+        self.retriever.search({"warm-up": WARM_UP_QUERY}, 1)  # JVM / index / query tower loaded before traffic
+
+    async def ready(self) -> bool:
+        """Answers once the replica is constructed and warmed up (``GET /readyz``)."""
+        return True
 
     async def search(self, query: str, k: int) -> dict[str, Any]:
         """``{"hits": [(doc_id, score)], "ms": search time, "batch": queries searched together}``."""
@@ -293,6 +305,17 @@ class RerankerDeployment:
         self._torch = torch
         self.settings = RerankBatching()
         self.reconfigure({})
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One forward pass before traffic: weights paged in, kernels chosen (a lookup reranker needs none)."""
+        if self.lookup is not None:
+            return
+        self._score([(WARM_UP_QUERY, WARM_UP_QUERY)])
+
+    async def ready(self) -> bool:
+        """Answers once the replica is constructed and warmed up (``GET /readyz``)."""
+        return True
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply :class:`RerankBatching` settings (the deployment's ``user_config``)."""
@@ -454,10 +477,21 @@ class BodySizeLimit:
         await response(scope, receive, send)
 
 
-api = FastAPI(title="ckray search", version=__version__,
+api = FastAPI(title="ckray search", version=__version__, docs_url=None,
               description="First-stage retrieval (BM25, CK-QTI, CLEAR; several fused by reciprocal rank) "
                           "and neural reranking (CEDR, QDS-Transformer, CK) over one document collection.")
 api.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
+# /docs renders offline: Swagger UI's assets come from the swagger-ui-bundle package, not a CDN
+api.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
+
+
+@api.get("/docs", include_in_schema=False)
+async def _swagger_ui(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "").rstrip("/")
+    return get_swagger_ui_html(openapi_url=f"{root}{api.openapi_url}", title=f"{api.title} – API",
+                               swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+                               swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+                               swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon-32x32.png")
 
 
 @api.exception_handler(RequestValidationError)
@@ -523,13 +557,34 @@ class SearchAPI:
         title, text = self.docs.get(doc_id)
         return Document(doc_id=doc_id, title=title, text=text)
 
-    @api.get("/healthz", summary="liveness and what this deployment serves")
+    @api.get("/healthz", summary="liveness and what this deployment serves (readiness: /readyz)")
     async def healthz(self) -> dict[str, Any]:
         return {"status": "ok", "version": __version__, "documents": len(self.docs),
                 "default_pipeline": self.default_pipeline, "retrievers": sorted(self.retrievers),
                 "rerankers": sorted(self.rerankers), "unavailable": self.unavailable,
                 "limits": {"k": MAX_K, "rerank_depth": MAX_RERANK_DEPTH, "body_bytes": MAX_BODY_BYTES,
                            "query_chars": MAX_QUERY_CHARS}}
+
+    @api.get("/readyz", summary="readiness: 200 once every deployed retriever and reranker answers, else 503")
+    async def readyz(self) -> JSONResponse:
+        """Asks each deployed retriever and reranker (``ready``, answered by a constructed, warmed-up
+        replica) with a short timeout; 503 lists those still starting. Wait for 200 before sending traffic."""
+        deployments = {**{f"retriever {n}": h for n, h in self.retrievers.items()},
+                       **{f"reranker {n}": h for n, h in self.rerankers.items()}}
+
+        async def answers(handle: DeploymentHandle) -> bool:
+            response = handle.ready.remote()
+            try:
+                return await asyncio.wait_for(response, READY_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a timeout, a replica starting or failing: not ready
+                response.cancel()
+                return False
+
+        results = await asyncio.gather(*(answers(h) for h in deployments.values()))
+        waiting = sorted(name for name, ok in zip(deployments, results) if not ok)
+        body = {"status": "starting" if waiting else "ready", "waiting_for": waiting, "deployments": sorted(deployments)}
+        return JSONResponse(body, status_code=503 if waiting else 200,
+                            headers={"Retry-After": "2"} if waiting else None)
 
     # ------------------------------------------------------------------ the pipeline
     def _check(self, kind: str, name: str, deployed: dict[str, DeploymentHandle]) -> None:

@@ -3,10 +3,9 @@ for every bad request, batched reranking, and no failed request after a reranker
 and restarted. One application (Serve on a free loopback port) serves the whole module."""
 
 import asyncio
-import copy
-import os
+import json
+import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -99,25 +98,6 @@ def test_artifact_checks(tmp_path):
     assert retriever_missing(RetrieverSpec(name="bm25"), tmp_path) is None
     assert "no checkpoint" in reranker_missing("cedr-knrm", tmp_path)
     assert "unknown reranker" in reranker_missing("nope", tmp_path)
-
-
-def test_serve_config_yaml_is_valid():
-    from ray.serve.schema import ServeDeploySchema
-
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    schema = ServeDeploySchema.model_validate(config)
-    (app,) = schema.applications
-    assert app.import_path == "ckray.serve:build_app"
-    args = AppArgs.model_validate(app.args)
-    assert args.workdir == "work/demo"
-    for name in args.deployments:  # a kind, or the name of a deployment build_app makes
-        kind = "ingress" if name == "SearchAPI" else name.split("-")[0]
-        assert kind in ("ingress", "retriever", "reranker"), name
-        known = RETRIEVERS if kind == "retriever" else RERANKERS
-        assert name in (kind, "SearchAPI") or name.split("-", 1)[1] in known, name
-        deployment_options(kind, name, args.deployments)
-    # Serve's own `deployments:` overrides must name deployments that always exist
-    assert {d.name for d in app.deployments} <= {"SearchAPI", "retriever-bm25"}
 
 
 # ----------------------------------------------------------------------------- the served application
@@ -346,7 +326,17 @@ def test_documents_health_and_openapi(server, workdir):
     spec = server.get("/openapi.json").json()
     assert {"/search", "/documents/{doc_id}", "/healthz"} <= set(spec["paths"])
     assert set(spec["paths"]["/search"]) == {"get", "post"}
-    assert server.get("/docs").status_code == 200
+    assert "/readyz" in spec["paths"]
+    ready = server.get("/readyz")  # serve.run returned: every replica is constructed and warmed up
+    assert ready.status_code == 200, ready.text
+    assert ready.json() == {"status": "ready", "waiting_for": [],
+                            "deployments": ["reranker cedr-knrm", "retriever bm25", "retriever bm25-classic"]}
+    docs = server.get("/docs")  # Swagger UI from the app's own assets: renders offline
+    assert docs.status_code == 200 and "cdn" not in docs.text.lower()
+    for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+        assert f"/docs-assets/{asset}" in docs.text
+        r = server.get(f"/docs-assets/{asset}")
+        assert r.status_code == 200 and len(r.content) > 10_000
 
 
 def _replica_names(deployment: str) -> list[str]:
@@ -365,6 +355,10 @@ def test_killed_reranker_replica_is_replaced_without_failed_requests(server, off
     deployment = f"reranker-{RERANKER}"
     (old,) = _replica_names(deployment)
     ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
+    # not ready while the replacement loads its model (seconds): /readyz names it, /healthz stays live
+    r = server.get("/readyz")
+    assert r.status_code == 503 and r.json()["waiting_for"] == [f"reranker {RERANKER}"], r.text
+    assert r.headers["retry-after"] == "2" and server.get("/healthz").status_code == 200
     deadline = time.monotonic() + 180
     while True:  # bounded wait for Serve to start a new replica and report it healthy
         names = _replica_names(deployment)
@@ -373,6 +367,9 @@ def test_killed_reranker_replica_is_replaced_without_failed_requests(server, off
             break
         assert time.monotonic() < deadline, (names, status)
         time.sleep(0.5)
+    while server.get("/readyz").status_code != 200:
+        assert time.monotonic() < deadline, "not ready again"
+        time.sleep(0.5)
     want = offline["rerank20"].run(queries, k=10)
     for qid, text in queries.items():
         r = server.post("/search", json={"query": text, "k": 10, "reranker": RERANKER, "rerank_depth": 20})
@@ -380,39 +377,119 @@ def test_killed_reranker_replica_is_replaced_without_failed_requests(server, off
         assert_same_ranking(r.json()["results"], want[qid], tol=1e-5)
 
 
+# The README's command for one machine, exactly as written there and in serve_config.yaml's header.
+SERVE_RUN = ".venv/bin/serve run --address local serve_config.yaml"
+
+CLIENT = r"""
+import json, sys, time, httpx
+out, t0, ready_at, health_at, answers = {}, time.monotonic(), None, None, []
+with httpx.Client(base_url="http://127.0.0.1:8000", timeout=30) as c:
+    while time.monotonic() - t0 < 420 and ready_at is None:
+        try:
+            if health_at is None and c.get("/healthz").status_code == 200:
+                health_at = time.monotonic() - t0
+            r = c.get("/readyz")
+            answers.append([r.status_code, r.json()])
+            if r.status_code == 200:
+                ready_at = time.monotonic() - t0
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    out.update(ready_at=ready_at, health_at=health_at, readyz=answers[-3:], statuses=sorted({a[0] for a in answers}))
+    if ready_at is not None:
+        out["health"] = c.get("/healthz").json()
+        out["search"] = c.get("/search", params={"q": sys.argv[1], "k": 5}).json()
+        out["reranked"] = c.post("/search", json={"query": sys.argv[1], "k": 5, "reranker": "cedr-knrm",
+                                                  "rerank_depth": 10}).json()
+        docs = c.get("/docs")
+        out["docs"] = [docs.status_code, docs.text]
+        out["docs_js"] = [c.get("/docs-assets/swagger-ui-bundle.js").status_code,
+                          c.get("/docs-assets/swagger-ui.css").status_code]
+print("CLIENT " + json.dumps(out))
+"""
+
+
+def _cpus_at_one_replica(config: dict, names: dict[str, list[str]]) -> float:
+    """CPUs the application of ``config`` asks for with ``names`` deployed (kind -> deployment names),
+    each at its fixed or minimum replica count."""
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    total = 0.0
+    for kind, deployments in names.items():
+        for name in deployments:
+            opts = deployment_options(kind, name, args.deployments)
+            replicas = opts.get("num_replicas") or opts["autoscaling_config"]["min_replicas"]
+            total += replicas * opts["ray_actor_options"].get("num_cpus", 1)
+    return total
+
+
+def test_shipped_serve_config_fits_two_cores_and_the_cluster_one_does_not_need_to():
+    """serve_config.yaml (one machine) deploys everything `make demo` builds in 2 CPUs; the cluster
+    file keeps whole CPUs and GPUs per replica. Both pass Serve's schema and build_app's arguments."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from ckray.full_pipeline import MODEL_DEFAULTS
+
+    demo = {"ingress": ["SearchAPI"],
+            "retriever": [f"retriever-{r}" for r in ("bm25", "ck-qti", "clear-dense", "clear")],
+            "reranker": [f"reranker-{m}" for m in MODEL_DEFAULTS if m in RERANKERS]}
+    assert len(demo["reranker"]) == 3
+    laptop = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cluster = yaml.safe_load((ROOT / "serve_config.cluster.yaml").read_text())
+    for config in (laptop, cluster):
+        (app,) = ServeDeploySchema.model_validate(config).applications
+        assert app.import_path == "ckray.serve:build_app"
+        args = AppArgs.model_validate(app.args)
+        for name in args.deployments:  # a kind, or the name of a deployment build_app makes
+            kind = "ingress" if name == "SearchAPI" else name.split("-")[0]
+            assert kind in ("ingress", "retriever", "reranker"), name
+            known = RETRIEVERS if kind == "retriever" else RERANKERS
+            assert name in (kind, "SearchAPI") or name.split("-", 1)[1] in known, name
+        # Serve's own `deployments:` overrides must name deployments that always exist
+        assert {d.name for d in app.deployments} <= {"SearchAPI", "retriever-bm25"}
+    assert AppArgs.model_validate(laptop["applications"][0]["args"]).workdir == "work/demo"
+    assert _cpus_at_one_replica(laptop, demo) <= 2.0
+    assert _cpus_at_one_replica(cluster, demo) > 2.0       # sized for real nodes
+    assert SERVE_RUN in (ROOT / "serve_config.yaml").read_text()
+    assert SERVE_RUN in (ROOT / "README.md").read_text()
+
+
 @pytest.mark.slow
-def test_serve_run_serve_config_yaml(ray_head, workdir, tmp_path):
-    """`serve run serve_config.yaml` (work directory and port replaced) on a separate local Ray head."""
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    port = free_port()
-    config = copy.deepcopy(config)
-    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}
-    app = config["applications"][0]
-    app["args"]["workdir"] = str(workdir[1])
-    app["args"]["deployments"] = {k: {**v, **SMALL} for k, v in app["args"].get("deployments", {}).items()}
-    for kind in ("ingress", "retriever", "reranker"):
-        app["args"]["deployments"].setdefault(kind, SMALL)
-    path = tmp_path / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve_bin = str(Path(ray_head["ray_bin"]).with_name("serve"))
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **ray_head["env"]}
-    p = subprocess.run([serve_bin, "run", "--non-blocking", "--address", ray_head["gcs"], str(path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    try:
-        deadline = time.monotonic() + 240
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            while True:
-                try:
-                    if client.get("/healthz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the application did not come up"
-                time.sleep(1)
-            r = client.get("/search", params={"q": "test query", "k": 5})
-            assert r.status_code == 200 and len(r.json()["results"]) <= 5
-            assert RERANKER in client.get("/healthz").json()["rerankers"]
-    finally:
-        subprocess.run([serve_bin, "shutdown", "-y", "--address", ray_head["dashboard"]], env=env,
-                       capture_output=True, timeout=120)
+def test_serve_run_serve_config_yaml_as_shipped(workdir, tmp_path, isolated):
+    """The README's `serve run` with the shipped serve_config.yaml, unmodified, on a fresh local Ray
+    (this machine's cores) although a dead head was left as the "current cluster": /readyz turns 200
+    once every deployment answers, then searches, reranking and the offline /docs work; Ctrl-C stops it."""
+    app = tmp_path / "app"
+    (app / "work").mkdir(parents=True)
+    shutil.copy(ROOT / "serve_config.yaml", app / "serve_config.yaml")
+    (app / "work" / "demo").symlink_to(workdir[1])
+    (app / ".venv").symlink_to(ROOT / ".venv")
+    (app / "client.py").write_text(CLIENT)
+    script = f"""
+set -m  # job control, as in a terminal: the background `serve run` gets Ctrl-C's SIGINT
+mkdir -p "$RAY_TMPDIR/ray" && echo 127.0.0.1:1 > "$RAY_TMPDIR/ray/ray_current_cluster"  # a dead head
+{SERVE_RUN} > serve.log 2>&1 &
+serve_pid=$!
+.venv/bin/python client.py "kasodib zom"
+kill -INT $serve_pid
+for i in $(seq 60); do kill -0 $serve_pid 2>/dev/null || break; sleep 1; done
+kill -0 $serve_pid 2>/dev/null && echo "SERVE STILL RUNNING" || echo "SERVE STOPPED"
+"""
+    p = isolated(script, cwd=app, timeout=600)
+    log = (app / "serve.log").read_text()[-4000:] if (app / "serve.log").exists() else ""
+    lines = [line for line in p.stdout.splitlines() if line.startswith("CLIENT ")]
+    assert lines, p.stdout[-2000:] + p.stderr[-2000:] + log
+    out = json.loads(lines[-1][len("CLIENT "):])
+    assert out["ready_at"] is not None, (out, log)
+    assert set(out["statuses"]) <= {200, 503}
+    assert out["health_at"] is not None and out["health_at"] <= out["ready_at"]
+    health = out["health"]
+    assert health["retrievers"] == ["bm25"] and health["rerankers"] == [RERANKER]
+    assert "ck-qti" in health["unavailable"]["retrievers"]
+    assert out["readyz"][-1][1]["waiting_for"] == []
+    assert sorted(out["readyz"][-1][1]["deployments"]) == ["reranker cedr-knrm", "retriever bm25"]
+    assert 1 <= len(out["search"]["results"]) <= 5
+    assert out["reranked"]["reranker"] == RERANKER and len(out["reranked"]["results"]) == 5
+    status, html = out["docs"]
+    assert status == 200 and "/docs-assets/swagger-ui-bundle.js" in html and "cdn" not in html.lower()
+    assert out["docs_js"] == [200, 200]
+    assert "SERVE STOPPED" in p.stdout, log
