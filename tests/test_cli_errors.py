@@ -31,7 +31,7 @@ def refused(p: subprocess.CompletedProcess, message: str) -> bool:
     """The job exited 2 with ``message`` as its one error line, before starting Ray."""
     out = p.stdout + p.stderr
     errors = [line for line in out.splitlines() if " ERROR ckray: " in line]
-    return p.returncode == 2 and errors == [errors[0]] and errors[0].endswith(f" ERROR ckray: {message}") \
+    return p.returncode == 2 and len(errors) == 1 and errors[0].endswith(f" ERROR ckray: {message}") \
         and RAY_STARTED not in out.lower()
 
 
