@@ -389,7 +389,8 @@ with httpx.Client(base_url="http://127.0.0.1:8000", timeout=30) as c:
             if health_at is None and c.get("/healthz").status_code == 200:
                 health_at = time.monotonic() - t0
             r = c.get("/readyz")
-            answers.append([r.status_code, r.json()])
+            if r.headers.get("content-type") == "application/json":  # the app's answer, not the proxy's
+                answers.append([r.status_code, r.json()])
             if r.status_code == 200:
                 ready_at = time.monotonic() - t0
         except httpx.TransportError:
