@@ -13,6 +13,14 @@ class CollectionError(CkrayError):
     """A collection file is malformed (names the file and line)."""
 
 
+class DuplicateDocumentError(CollectionError):
+    """A document id occurs twice in a corpus (``doc_id`` says which)."""
+
+    def __init__(self, message: str, doc_id: str) -> None:
+        super().__init__(message)
+        self.doc_id = doc_id
+
+
 class ConfigError(CkrayError):
     """A configuration value or command-line flag is invalid (names the field).
 

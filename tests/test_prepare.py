@@ -106,5 +106,11 @@ def test_duplicate_ids_across_shards(ray_session, sample, tmp_path):
     lines = (sample / "corpus.jsonl").read_text().splitlines()
     lines.append(lines[0])
     (sample / "corpus.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(CollectionError, match="duplicate doc id 'd00000'"):
-        prepare_shards(PrepareConfig(data=str(sample), workdir=str(tmp_path / "w"), shards=3))
+    w = tmp_path / "w"
+    with pytest.raises(CollectionError, match=rf"corpus\.jsonl:{len(lines)}: duplicate doc id 'd00000' \(first at line 1\)"):
+        prepare_shards(PrepareConfig(data=str(sample), workdir=str(w), shards=3))
+    assert not (w / "shards" / "_manifest.json").exists()  # never counted as prepared
+    assert not (w / "bm25").exists()                       # found before any index is written
+    with pytest.raises(CollectionError, match="duplicate doc id 'd00000'"):  # and again on a re-run
+        prepare_collection(str(sample), str(w), shards=3, split=None, bm25=True)
+    assert not (w / "bm25").exists()

@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 
 from ckray.data.collections import CORPUS_SCHEMA, doc_text
 from ckray.data.shards import MANIFEST, file_sha256, read_json, shard_paths, shards_dir, write_json_atomic
-from ckray.errors import CollectionError, MissingArtifactError
+from ckray.errors import CollectionError, DuplicateDocumentError, MissingArtifactError
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def _write_store(workdir: str | os.PathLike, out: Path, shard_names: list[str]) 
 
 
 def _check_unique(out: Path, shard_names: list[str], sorted_hashes: np.ndarray, order: np.ndarray) -> None:
-    """Raise :class:`CollectionError` for a doc id stored twice: only ids whose hashes are equal can be,
+    """Raise :class:`DuplicateDocumentError` for a doc id stored twice: only ids whose hashes are equal can be,
     and those are compared as strings (so a hash collision is not mistaken for a duplicate)."""
     equal = np.flatnonzero(sorted_hashes[1:] == sorted_hashes[:-1])
     if not equal.size:
@@ -214,8 +214,9 @@ def _check_unique(out: Path, shard_names: list[str], sorted_hashes: np.ndarray, 
             if doc_id in seen:
                 first, second = shard_names[rows.file_of(seen[doc_id])], shard_names[rows.file_of(pos)]
                 where = f"shard {first}" if first == second else f"shards {first} and {second}"
-                raise CollectionError(f"duplicate document id {doc_id!r} in the corpus shards ({where}); "
-                                      "re-prepare the collection (jobs/prepare.py) from a corpus with unique ids")
+                raise DuplicateDocumentError(
+                    f"duplicate document id {doc_id!r} in the corpus shards ({where}); "
+                    "re-prepare the collection (jobs/prepare.py) from a corpus with unique ids", doc_id)
             seen[doc_id] = pos
 
 

@@ -22,7 +22,7 @@ from ckray import __version__
 from ckray.data.collections import corpus_file, corpus_table, parse_corpus_lines
 from ckray.data.shards import (MANIFEST, file_sha256, is_done, mark_done, read_json, shard_name,
                                shards_dir, write_json_atomic, write_parquet_atomic)
-from ckray.errors import CollectionError, ConfigError
+from ckray.errors import CollectionError, ConfigError, DuplicateDocumentError
 
 if TYPE_CHECKING:
     from ckray.data.collections import Collection
@@ -126,23 +126,45 @@ def prepare_shards(config: PrepareConfig) -> dict:
             stale.unlink()
     shards = [{"name": Path(p.out).name, "rows": pq.read_metadata(p.out).num_rows, "first_line": p.first_line}
               for p in pieces]
-    _check_unique_ids(out_dir, shards, cfile)
     manifest = {
         "input": str(cfile), "format": fmt, "input_sha256": sha, "num_shards_requested": config.shards,
         "documents": sum(s["rows"] for s in shards), "shards": shards, "ckray_version": __version__,
     }
     write_json_atomic(manifest, manifest_path)
+    _check_unique_ids(config.workdir, cfile, fmt)
     log.info("wrote %d shard(s), %d documents in %.1fs", len(todo), manifest["documents"], time.time() - t0)
     return manifest
 
 
-def _check_unique_ids(out_dir: Path, shards: list[dict], cfile: Path) -> None:
-    seen: dict[str, str] = {}
-    for s in shards:
-        for doc_id in pq.read_table(out_dir / s["name"], columns=["doc_id"]).column(0).to_pylist():
-            if doc_id in seen:
-                raise CollectionError(f"{cfile}: duplicate doc id {doc_id!r} (in shards {seen[doc_id]} and {s['name']})")
-            seen[doc_id] = s["name"]
+def _check_unique_ids(workdir: str, cfile: Path, fmt: str) -> None:
+    """Every document id once, before any index is built: building the document store (``W/docstore``,
+    which every later reader of texts uses) sorts 64-bit id hashes instead of holding every id in a dict.
+    A duplicate is reported at its two lines of the corpus file, and the manifest is withdrawn so the
+    shards never count as prepared."""
+    from ckray.data.docstore import ensure_store
+
+    try:
+        ensure_store(workdir)
+    except DuplicateDocumentError as e:
+        (shards_dir(workdir) / MANIFEST).unlink(missing_ok=True)
+        first, second = _lines_of(cfile, fmt, e.doc_id)
+        raise CollectionError(f"{cfile}:{second}: duplicate doc id {e.doc_id!r} (first at line {first}); "
+                              "document ids must be unique") from None
+
+
+def _lines_of(cfile: Path, fmt: str, doc_id: str) -> tuple[int, int]:
+    """The first two line numbers of ``cfile`` whose document has id ``doc_id`` (a streaming scan, run only
+    to report a duplicate: lines not containing the id's text are not parsed)."""
+    found: list[int] = []
+    with open(cfile, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if doc_id not in line and '"' not in doc_id and "\\" not in doc_id:
+                continue
+            if any(d == doc_id for d, _, _ in parse_corpus_lines(fmt, cfile, [line], first_line=lineno)):
+                found.append(lineno)
+                if len(found) == 2:
+                    return found[0], found[1]
+    raise CollectionError(f"{cfile}: duplicate doc id {doc_id!r}, but its lines were not found again")
 
 
 @dataclass
