@@ -1,16 +1,30 @@
-"""Interpolating a reranker with its first stage: ``first+reranker`` pipelines.
+"""Runs and their fusion: the ``Run`` type and every way ckray combines scores or rankings.
 
-A reranker trained on a few hundred queries throws away what the first stage knew; adding the two
-scores back together is the standard remedy (e.g. Nogueira & Cho's BM25 + BERT interpolation, and
-CLEAR's own Eq. 8 for BM25 + dense). Over each query's top ``depth`` first-stage documents::
+A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs"). Combining:
 
-    s(q, d) = z(s_rerank(q, d)) + w · z(s_first(q, d))
+* **Reciprocal-rank fusion** of several first stages (:func:`reciprocal_rank_fusion`,
+  :class:`FusedRetriever`; what ``ckray.serve`` does with ``"retrievers": [a, b, …]``)::
 
-where ``z`` standardises a query's scores (mean 0, standard deviation 1 over its top ``depth``), so
-one weight fits first stages and rerankers whose score scales differ. ``w`` is chosen on the *dev*
-queries — training queries held back from the reranker's training by the same stable hash
-(``ckray.data.examples.is_dev_query``) — never on test queries, and saved to
-``W/fusion/<first>+<reranker>.json`` so evaluation and serving use the same weight.
+      s(d) = Σ_lists 1 / (rrf_k + rank(d))
+
+* **Interpolating a reranker with its first stage** (``first+reranker`` pipelines, :func:`interpolate`).
+  A reranker trained on a few hundred queries throws away what the first stage knew; adding the two
+  scores back together is the standard remedy (e.g. Nogueira & Cho's BM25 + BERT interpolation).
+  Over each query's top ``depth`` first-stage documents::
+
+      s(q, d) = z(s_rerank(q, d)) + w · z(s_first(q, d))
+
+  where ``z`` standardises a query's scores (mean 0, standard deviation 1 over its top ``depth``), so
+  one weight fits first stages and rerankers whose score scales differ. ``w`` is chosen on the *dev*
+  queries — training queries held back from the reranker's training by the same stable hash
+  (``ckray.data.examples.is_dev_query``) — never on test queries, and saved to
+  ``W/fusion/<first>+<reranker>.json`` so evaluation and serving use the same weight.
+
+* **A linear combination of two scores per (query, document)** (:func:`linear_fusion`): CLEAR's
+  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.index.dense``).
+
+Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`: the grid
+value whose fused run has the best nDCG@10 on the judged queries, ties to the smaller value.
 """
 
 from __future__ import annotations
@@ -18,19 +32,132 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any
 
 from ckray.errors import ConfigError, MissingArtifactError
 
 log = logging.getLogger(__name__)
 
-Run = dict[str, list[tuple[str, float]]]
+Hits = list[tuple[str, float]]
+Run = dict[str, Hits]
+Candidates = dict[str, dict[str, tuple[float, float]]]   # qid → doc_id → (s_a, s_b)
 
 FUSION_DIR = "fusion"
 DEFAULT_WEIGHT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 2) for i in range(0, 31))  # 0.0 … 3.0
+RRF_K = 60   # the constant of reciprocal-rank fusion (Cormack et al., 2009)
 
+
+# ============================================================================ runs
+
+def best_first(hits: Iterable[tuple[str, float]]) -> Hits:
+    """``hits`` sorted by score, best first; stable (tied documents keep their order)."""
+    return sorted(hits, key=lambda h: -float(h[1]))
+
+
+def above_rest(top: Iterable[tuple[str, float]], rest: Sequence[tuple[str, float]]) -> Hits:
+    """``top`` (rescored) best first, then ``rest`` in its given order with scores rewritten to lie
+    below ``top``'s lowest (``floor − 1 − i``): a run must stay sorted by score (evaluation tools
+    sort by it)."""
+    top = best_first(top)
+    floor = top[-1][1] if top else 0.0
+    return top + [(d, floor - 1.0 - i) for i, (d, _) in enumerate(rest)]
+
+
+# ============================================================================ reciprocal-rank fusion
+
+def reciprocal_rank_fusion(lists: Sequence[Hits], k: int, rrf_k: int = RRF_K) -> Hits:
+    """Fuse ranked lists: ``score(d) = Σ_lists 1 / (rrf_k + rank(d))`` (ranks from 1, each list in its
+    own best-first order); the top ``k``, best first, ties broken by doc id."""
+    scores: dict[str, float] = {}
+    for hits in lists:
+        for rank, (doc_id, _) in enumerate(best_first(hits), start=1):
+            scores[doc_id] = scores.get(doc_id, 0.0) + 1.0 / (rrf_k + rank)
+    return sorted(scores.items(), key=lambda x: (-x[1], x[0]))[:k]
+
+
+class FusedRetriever:
+    """Reciprocal-rank fusion of several retrievers as one offline ``Retriever``: each searched to
+    depth ``k``, fused, top ``k`` kept (what the HTTP API does with ``"retrievers": [a, b, …]``)."""
+
+    def __init__(self, retrievers: Sequence[Any], rrf_k: int = RRF_K):
+        if not retrievers:
+            raise ConfigError("FusedRetriever needs at least one retriever")
+        self.retrievers, self.rrf_k = list(retrievers), rrf_k
+
+    def search(self, queries: dict[str, str], k: int = 1000) -> Run:
+        runs = [r.search(queries, k) for r in self.retrievers]
+        return {q: reciprocal_rank_fusion([run.get(q, []) for run in runs], k, self.rrf_k) for q in queries}
+
+
+# ============================================================================ score combinations
+
+def _zscores(scores: Sequence[float]) -> list[float]:
+    n = len(scores)
+    if n == 0:
+        return []
+    mean = sum(scores) / n
+    std = math.sqrt(sum((s - mean) ** 2 for s in scores) / n)
+    return [(s - mean) / std if std > 0 else 0.0 for s in scores]
+
+
+def interpolate(first: Run, reranked: Run, depth: int, weight: float) -> Run:
+    """``z(s_rerank) + w · z(s_first)`` over each query's top ``depth`` first-stage documents, best
+    first; documents below ``depth`` follow in their first-stage order (:func:`above_rest`)."""
+    out: Run = {}
+    for qid, docs in first.items():
+        docs = best_first(docs)
+        top, rest = docs[:depth], docs[depth:]
+        rerank_score = dict(reranked.get(qid, []))
+        missing = [d for d, _ in top if d not in rerank_score]
+        if missing:
+            raise KeyError(f"query {qid!r}: the reranked run lacks {len(missing)} of the top {depth} "
+                           f"first-stage documents (e.g. {missing[0]!r})")
+        z_first = _zscores([float(s) for _, s in top])
+        z_rerank = _zscores([float(rerank_score[d]) for d, _ in top])
+        out[qid] = above_rest(((d, zr + weight * zf) for (d, _), zf, zr in zip(top, z_first, z_rerank)), rest)
+    return out
+
+
+def linear_fusion(candidates: Candidates, weight: float, k: int = 1000) -> Run:
+    """``s = weight · s_a + s_b`` for each candidate's score pair (CLEAR's Eq. 8: ``λ · s_lex + s_emb``),
+    top ``k`` per query, best first, ties by doc id."""
+    run: Run = {}
+    for qid, docs in candidates.items():
+        scored = [(d, weight * a + b) for d, (a, b) in docs.items()]
+        scored.sort(key=lambda x: (-x[1], x[0]))
+        run[qid] = scored[:k]
+    return run
+
+
+# ============================================================================ choosing a weight
+
+def judged_queries(qrels: Mapping[str, Mapping[str, int]], among: Collection[str],
+                   what: str) -> dict[str, dict[str, int]]:
+    """The qrels of the queries in ``among`` with at least one relevant judgment (the only ones a
+    weight can be tuned on); a ConfigError naming ``what`` when there are none."""
+    judged = {q: dict(r) for q, r in qrels.items() if q in among and any(v > 0 for v in r.values())}
+    if not judged:
+        raise ConfigError(f"{what}: none of the {len(among)} queries has a relevant judgment")
+    return judged
+
+
+def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, int]], grid: Sequence[float],
+                name: str = "weight") -> tuple[float, dict[float, float]]:
+    """The weight of ``grid`` whose run ``fused(weight)`` has the best nDCG@10 on ``qrels``, ties to the
+    smaller weight. Returns ``(best, {weight: nDCG@10})``, the table in ascending weight order."""
+    from ckray.eval import ndcg_at_10
+
+    table = {float(w): ndcg_at_10(fused(float(w)), qrels) for w in sorted(grid)}
+    best = max(table, key=lambda w: (table[w], -w))
+    log.info("%s = %g (nDCG@10 %.4f on %d queries; %s = 0 gives %.4f)", name, best, table[best], len(qrels), name,
+             table.get(0.0, float("nan")))
+    return best, table
+
+
+# ============================================================================ the interpolation weight of a pipeline
 
 @dataclass
 class InterpolationConfig:
@@ -44,51 +171,13 @@ class InterpolationConfig:
     first_stage_stamp: str = ""    # which first-stage index it was tuned on (``ckray.pipelines.first_stage_digest``)
 
 
-
-
-def _zscores(scores: Sequence[float]) -> list[float]:
-    n = len(scores)
-    if n == 0:
-        return []
-    mean = sum(scores) / n
-    std = math.sqrt(sum((s - mean) ** 2 for s in scores) / n)
-    return [(s - mean) / std if std > 0 else 0.0 for s in scores]
-
-
-def interpolate(first: Run, reranked: Run, depth: int, weight: float) -> Run:
-    """``z(s_rerank) + w · z(s_first)`` over each query's top ``depth`` first-stage documents, best
-    first; documents below ``depth`` follow in their first-stage order (as in ``merge_scores``)."""
-    out: Run = {}
-    for qid, docs in first.items():
-        docs = sorted(docs, key=lambda x: -float(x[1]))
-        top, rest = docs[:depth], docs[depth:]
-        rerank_score = dict(reranked.get(qid, []))
-        missing = [d for d, _ in top if d not in rerank_score]
-        if missing:
-            raise KeyError(f"query {qid!r}: the reranked run lacks {len(missing)} of the top {depth} "
-                           f"first-stage documents (e.g. {missing[0]!r})")
-        z_first = _zscores([float(s) for _, s in top])
-        z_rerank = _zscores([float(rerank_score[d]) for d, _ in top])
-        fused = sorted(((d, zr + weight * zf) for (d, _), zf, zr in zip(top, z_first, z_rerank)),
-                       key=lambda x: -x[1])
-        floor = fused[-1][1] if fused else 0.0
-        out[qid] = fused + [(d, floor - 1.0 - i) for i, (d, _) in enumerate(rest)]
-    return out
-
-
 def tune_weight(first: Run, reranked: Run, qrels: Mapping[str, Mapping[str, int]], depth: int,
                 grid: Sequence[float] = DEFAULT_WEIGHT_GRID) -> InterpolationConfig:
-    """The ``w`` of ``grid`` with the best nDCG@10 over the judged queries (ties: the smaller w)."""
-    from ckray.eval import ndcg_at_10
-
-    judged = {q: dict(r) for q, r in qrels.items() if q in first and any(v > 0 for v in r.values())}
-    if not judged:
-        raise ConfigError("tune_weight: none of the queries in the run has a relevant judgment")
+    """The ``w`` of ``grid`` with the best nDCG@10 over the judged queries (:func:`grid_search`)."""
+    judged = judged_queries(qrels, first, "tune_weight")
     first = {q: first[q] for q in judged}
-    table = {float(w): ndcg_at_10(interpolate(first, reranked, depth, float(w)), judged) for w in sorted(grid)}
-    best = max(table, key=lambda w: (table[w], -w))
-    log.info("interpolation weight w = %g (dev nDCG@10 %.4f on %d queries; reranker alone %.4f)",
-             best, table[best], len(judged), table.get(0.0, float("nan")))
+    best, table = grid_search(lambda w: interpolate(first, reranked, depth, w), judged, grid,
+                              "interpolation weight w")
     return InterpolationConfig(weight=best, depth=depth, dev_queries=len(judged),
                                table={str(k): v for k, v in table.items()})
 

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Protocol
 
 from ckray.errors import ConfigError
+from ckray.fusion import Run, interpolate, load_interpolation
 
 log = logging.getLogger(__name__)
-
-Run = dict[str, list[tuple[str, float]]]
 
 ALIASES = {"ck-qti-rerank": "bm25>ck-qti", "ck-rerank": "bm25>ck"}
 
@@ -172,8 +171,6 @@ class Pipeline:
             first = run
             run = self.reranker.rerank(queries, first, depth=self.rerank_depth)
             if self.interpolation_weight is not None:
-                from ckray.fusion import interpolate
-
                 run = interpolate(first, run, self.rerank_depth, self.interpolation_weight)
         t2 = time.perf_counter()
         self.timings = {"first_stage_s": t1 - t0, "rerank_s": t2 - t1}
@@ -187,8 +184,6 @@ def build_pipeline(name: str, workdir: str | os.PathLike, rerank_depth: int = 10
     ``interpolation_weight`` is given (``ckray.evaluate.tune_interpolation`` writes it)."""
     first, reranker = parse_pipeline(name)
     if is_interpolated(name) and interpolation_weight is None:
-        from ckray.fusion import load_interpolation
-
         interpolation_weight = load_interpolation(workdir, first, reranker).weight
     return Pipeline(name=name, retriever=build_retriever(first, workdir, **(retriever_options or {})),
                     reranker=build_reranker(reranker, workdir, **(reranker_options or {})) if reranker else None,

@@ -72,28 +72,8 @@ DOCS_ASSETS = "/docs-assets"  # Swagger UI's JavaScript and CSS, served by the i
 
 # ============================================================================ fusion
 
-def reciprocal_rank_fusion(lists: Sequence[Hits], k: int, rrf_k: int = RRF_K) -> Hits:
-    """Fuse ranked lists: ``score(d) = Σ_lists 1 / (rrf_k + rank(d))`` (ranks from 1, each list in its
-    own best-first order); the top ``k``, best first, ties broken by doc id."""
-    scores: dict[str, float] = {}
-    for hits in lists:
-        for rank, (doc_id, _) in enumerate(sorted(hits, key=lambda h: -h[1]), start=1):
-            scores[doc_id] = scores.get(doc_id, 0.0) + 1.0 / (rrf_k + rank)
-    return sorted(scores.items(), key=lambda x: (-x[1], x[0]))[:k]
-
-
-class FusedRetriever:
-    """Reciprocal-rank fusion of several retrievers as one offline ``Retriever``: each searched to
-    depth ``k``, fused, top ``k`` kept (what the HTTP API does with ``"retrievers": [a, b, …]``)."""
-
-    def __init__(self, retrievers: Sequence[Any], rrf_k: int = RRF_K):
-        if not retrievers:
-            raise ConfigError("FusedRetriever needs at least one retriever")
-        self.retrievers, self.rrf_k = list(retrievers), rrf_k
-
-    def search(self, queries: dict[str, str], k: int = 1000) -> Run:
-        runs = [r.search(queries, k) for r in self.retrievers]
-        return {q: reciprocal_rank_fusion([run.get(q, []) for run in runs], k, self.rrf_k) for q in queries}
+# one home for runs and their fusion (ckray.fusion); both names stay importable from here
+from ckray.fusion import FusedRetriever, reciprocal_rank_fusion  # noqa: E402, F401
 
 
 # ============================================================================ configuration

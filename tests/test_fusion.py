@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import (InterpolationConfig, interpolate, load_interpolation, save_interpolation,
-                          tune_weight)
+from ckray.fusion import (FusedRetriever, InterpolationConfig, above_rest, grid_search, interpolate, judged_queries,
+                          linear_fusion, load_interpolation, reciprocal_rank_fusion, save_interpolation, tune_weight)
 from ckray.pipelines import is_interpolated, parse_pipeline
 
 FIRST = {"q": [("a", 30.0), ("b", 20.0), ("c", 10.0), ("tail1", 5.0), ("tail2", 4.0)]}
@@ -57,6 +57,44 @@ def test_tuning_picks_a_weight_that_ranks_the_relevant_document_first():
     assert tuned.table["1.0"] == pytest.approx(1.0) and tuned.table["0.0"] < 1.0 and tuned.table["100.0"] < 1.0
     with pytest.raises(ConfigError, match="relevant judgment"):
         tune_weight(first, reranked, {"other": {"b": 1}}, depth=3)
+
+
+def test_grid_search_takes_the_best_weight_and_the_smaller_of_ties():
+    # relevant: x. weight·a + b puts x first for every weight above 1 (a: 2 vs 1, b: 0 vs 1)
+    cands = {"q": {"x": (2.0, 0.0), "y": (1.0, 1.0)}}
+    best, table = grid_search(lambda w: linear_fusion(cands, w), {"q": {"x": 1}}, [3.0, 0.5, 2.0, 1.5])
+    assert list(table) == [0.5, 1.5, 2.0, 3.0] and best == 1.5
+    assert table[1.5] == table[2.0] == table[3.0] == pytest.approx(1.0) and table[0.5] < 1.0
+
+
+def test_only_queries_with_a_relevant_judgment_tune_a_weight():
+    qrels = {"a": {"d": 1}, "b": {"d": 0}, "c": {"d": 2}, "gone": {"d": 1}}
+    assert judged_queries(qrels, {"a", "b", "c"}, "tune_lambda") == {"a": {"d": 1}, "c": {"d": 2}}
+    with pytest.raises(ConfigError, match="tune_lambda: none of the 1 queries has a relevant judgment"):
+        judged_queries(qrels, {"b"}, "tune_lambda")
+
+
+def test_rest_follows_the_rescored_top_in_its_order_below_it():
+    assert above_rest([("a", 0.5), ("b", 2.0)], [("c", 9.0), ("d", 8.0)]) == \
+        [("b", 2.0), ("a", 0.5), ("c", -0.5), ("d", -1.5)]
+    assert above_rest([], [("c", 9.0)]) == [("c", -1.0)]
+
+
+def test_reciprocal_rank_fusion_and_the_fused_retriever():
+    fused = reciprocal_rank_fusion([[("a", 3.0), ("b", 2.0)], [("b", 0.9), ("c", 0.1)]], k=3, rrf_k=1)
+    assert fused == [("b", pytest.approx(1 / 3 + 1 / 2)), ("a", pytest.approx(1 / 2)), ("c", pytest.approx(1 / 3))]
+
+    class Fixed:
+        def __init__(self, hits):
+            self.hits = hits
+
+        def search(self, queries, k):
+            return {q: self.hits[:k] for q in queries}
+
+    retriever = FusedRetriever([Fixed([("a", 3.0), ("b", 2.0)]), Fixed([("b", 0.9), ("c", 0.1)])], rrf_k=1)
+    assert retriever.search({"q": "text"}, k=2) == {"q": fused[:2]}
+    with pytest.raises(ConfigError, match="at least one retriever"):
+        FusedRetriever([])
 
 
 def test_weights_are_saved_per_pipeline_and_a_missing_one_names_the_file(tmp_path):

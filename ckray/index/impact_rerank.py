@@ -37,12 +37,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
+from ckray.fusion import Run
 from ckray.index.impact import (ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, impact_vector,
                                 query_term_counts)
 
 log = logging.getLogger(__name__)
-
-Run = dict[str, list[tuple[str, float]]]
 Vector = dict[int, float]
 
 
