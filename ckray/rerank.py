@@ -14,8 +14,10 @@ documents below ``depth`` keep their first-stage order after them, with scores r
 below the lowest reranked score (a run must stay sorted by score: evaluation tools sort by it).
 
 ``rerank`` builds one ``ray.data.Dataset`` of ``(qid, doc_id, query, doc)`` rows and maps it with an
-actor pool (``ActorPoolStrategy``): each actor loads the checkpoint once and scores batches of
-``batch_size`` pairs, on a GPU when ``num_gpus_per_actor`` is set (bf16 autocast there).
+actor pool (``ckray.batch_inference``): each actor loads the checkpoint once and scores batches of
+``batch_size`` pairs, on a GPU when ``num_gpus_per_actor`` is set (bf16 autocast there). Scores are
+keyed by ``(qid, doc_id)``: a pair scored twice (a batch retried after a lost actor) counts once, a
+pair never scored is an error naming it.
 ``rerank_local`` scores in the calling process, for small inputs, tests and serving.
 ``CheckpointReranker`` wraps either behind the DESIGN contract ``rerank(queries, run, depth) -> run``.
 """
@@ -32,11 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckray.fusion import Run, above_rest, best_first
+
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 30.0  # seconds between progress lines of a long in-process rerank
 
-Run = dict[str, list[tuple[str, float]]]
 DocText = Mapping[str, str] | Callable[[str], str]
 
 
@@ -53,10 +56,6 @@ def _lookup(doc_text: DocText) -> Callable[[str], str]:
     return get
 
 
-def _sorted(docs: list[tuple[str, float]]) -> list[tuple[str, float]]:
-    return sorted(docs, key=lambda x: -float(x[1]))  # stable: ties keep their order
-
-
 def rerank_candidates(queries: Mapping[str, str], run: Run, depth: int) -> dict[str, list[str]]:
     """Each query's top ``depth`` document ids of ``run`` (by score, as strings), checked against ``queries``."""
     if depth < 0:
@@ -65,7 +64,7 @@ def rerank_candidates(queries: Mapping[str, str], run: Run, depth: int) -> dict[
     for qid, docs in run.items():
         if qid not in queries:
             raise KeyError(f"query {qid!r} is in the run but not in queries")
-        out[qid] = [str(doc_id) for doc_id, _ in _sorted(docs)[:depth]]
+        out[qid] = [str(doc_id) for doc_id, _ in best_first(docs)[:depth]]
     return out
 
 
@@ -88,11 +87,8 @@ def merge_scores(run: Run, scores: Mapping[tuple[str, str], float], depth: int) 
     """Top ``depth`` of each query rescored and sorted; the rest kept after them, in their order."""
     out: Run = {}
     for qid, docs in run.items():
-        docs = _sorted(docs)
-        top = _sorted([(d, float(scores[(str(qid), str(d))])) for d, _ in docs[:depth]])
-        floor = top[-1][1] if top else 0.0
-        tail = [(d, floor - 1.0 - i) for i, (d, _) in enumerate(docs[depth:])]
-        out[qid] = top + tail
+        docs = best_first(docs)
+        out[qid] = above_rest(((d, float(scores[(str(qid), str(d))])) for d, _ in docs[:depth]), docs[depth:])
     return out
 
 
@@ -124,12 +120,11 @@ def rerank_local(model: Any, queries: Mapping[str, str], run: Run, doc_text: Doc
 class PairScorer:
     """A Ray Data actor: loads the checkpoint once, then scores batches of (query, doc) rows."""
 
-    def __init__(self, model_path: str, use_gpu: bool = False, torch_threads: int | None = None):
+    def __init__(self, model_path: str, use_gpu: bool = False, torch_threads: int = 0):
+        from ckray.batch_inference import actor_device
         from ckray.models.checkpoint import load_model
 
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
+        self.device = actor_device(use_gpu, torch_threads)
         self.model = load_model(model_path, map_location="cpu").to(self.device).eval()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -149,36 +144,26 @@ def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, 
     Uses the running Ray cluster (or starts a local one). ``num_gpus_per_actor`` (e.g. 1 or 0.5)
     places each actor on a GPU; without it the actors score on CPUs with ``num_cpus_per_actor`` threads.
     """
-    import ray
     import ray.data
+
+    from ckray.batch_inference import ActorPoolConfig, KeyedRows, ensure_ray, map_on_actors, raise_if_missing
 
     rows = rerank_pairs(queries, run, doc_text, depth)
     if not rows:
         return merge_scores(run, {}, depth)
-    if not ray.is_initialized():
-        from ckray.ray_env import init_ray
-
-        init_ray()
-    use_gpu = bool(num_gpus_per_actor)
+    ensure_ray()
+    pool = ActorPoolConfig(actors=num_actors, use_gpu=bool(num_gpus_per_actor), cpus_per_actor=num_cpus_per_actor,
+                           batch_size=batch_size, gpus_per_actor=num_gpus_per_actor or 1.0)
     n_blocks = max(1, min(len(rows) // max(1, batch_size), 4 * num_actors))
     ds = ray.data.from_items(rows, override_num_blocks=n_blocks)
-    remote: dict[str, Any] = {"num_cpus": num_cpus_per_actor}
-    if use_gpu:
-        remote["num_gpus"] = num_gpus_per_actor
-    scored = ds.map_batches(
-        PairScorer,
-        fn_constructor_kwargs={"model_path": str(model_path), "use_gpu": use_gpu,
-                               "torch_threads": None if use_gpu else max(1, int(num_cpus_per_actor))},
-        batch_size=batch_size,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=num_actors),
-        **remote,
-    )
-    scores = {(str(r["qid"]), str(r["doc_id"])): float(r["score"])
-              for r in scored.select_columns(["qid", "doc_id", "score"]).iter_rows()}
-    if len(scores) != len({(r["qid"], r["doc_id"]) for r in rows}):
-        raise RuntimeError(f"Ray reranking returned {len(scores)} scores for {len(rows)} pairs")
-    return merge_scores(run, scores, depth)
+    scored = map_on_actors(ds, PairScorer, {"model_path": str(model_path), "use_gpu": pool.use_gpu,
+                                            "torch_threads": pool.torch_threads}, pool)
+    scores = KeyedRows(((r["qid"], r["doc_id"]) for r in rows), "Ray reranking")
+    for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
+        for qid, doc_id, score in zip(batch["qid"], batch["doc_id"], batch["score"]):
+            scores.add((str(qid), str(doc_id)), float(score))
+    raise_if_missing([scores], "Ray reranking", "re-run it")
+    return merge_scores(run, scores.rows, depth)
 
 
 @dataclass

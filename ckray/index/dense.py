@@ -9,12 +9,13 @@ Layout under the work directory ``W``::
     W/dense/index/                        index.faiss, doc_ids.parquet (row i ↔ faiss id i), meta.json
     W/dense/hybrid.json                   λ_test tuned on training queries (``tune_lambda``)
 
-Embedding job (:func:`embed_corpus`): ``ray.data.read_parquet`` over the corpus shards that are not
-done yet → ``map_batches(DocumentEncoder, compute=ActorPoolStrategy(size=actors))``; each actor loads
-the checkpoint once (``load_model``), on a GPU of its own when ``use_gpu``. The driver groups the
-embedded rows by their source shard and writes each embedding shard atomically
-(``write_parquet_atomic`` + a done marker recording the checkpoint digest and the source shard) as
-soon as all of its rows are in, so a re-run skips finished shards and redoes half-written ones.
+Embedding job (:func:`embed_corpus`): a shard job of ``ckray.batch_inference`` — the corpus shards
+not done yet → ``map_batches(DocumentEncoder, compute=ActorPoolStrategy(size=actors))``; each actor
+loads the checkpoint once (``load_model``), on a GPU of its own when ``use_gpu``. Each embedding shard
+is written atomically (``write_parquet_atomic`` + a done marker recording the checkpoint digest and
+the source shard) as soon as all of its documents are in, in the corpus shard's order; a re-run skips
+finished shards and redoes half-written ones. A lost actor is restarted and its batch retried: a
+repeated document is dropped, a missing one is an error naming it.
 
 Index (:class:`DenseIndex`): inner product over the embeddings; ``flat`` (exact) by default, ``hnsw``,
 ``ivf`` and ``ivfpq`` for large corpora; on GPU faiss when ``faiss.get_num_gpus() > 0``.
@@ -44,12 +45,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ckray.data.shards import is_done, mark_done, shard_paths, write_json_atomic, write_parquet_atomic
+from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
+                                   timing_columns, validate_checks)
+from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
+from ckray.fusion import Candidates, Run, grid_search, judged_queries, linear_fusion
 
 log = logging.getLogger(__name__)
-
-Run = dict[str, list[tuple[str, float]]]
 
 DENSE_DIR = "dense"
 INDEX_FILE = "index.faiss"
@@ -76,52 +78,41 @@ def default_checkpoint(workdir: str | os.PathLike) -> Path:
 # =============================================================================================
 
 @dataclass
-class EmbedConfig:
-    """The Ray Data embedding job.
+class EmbedConfig(ActorPoolConfig):
+    """The Ray Data embedding job: its actor pool (``ckray.batch_inference.ActorPoolConfig``: actors,
+    use_gpu — fp16 autocast on the GPU —, cpus_per_actor, batch_size — rows per actor batch, sorted by
+    length inside the actor —, fault tolerance) and
 
-    actors:            size of the actor pool (each loads the checkpoint once).
-    use_gpu:           one GPU per actor (fp16 autocast on it).
-    cpus_per_actor:    logical CPUs reserved per actor; also its torch threads on CPU.
-    batch_size:        rows per Ray Data batch handed to an actor; sorted by length inside the actor.
     encode_batch_size: documents per forward pass inside an actor.
     float16:           store embeddings as float16 (half the disk; the index is built in float32).
     doc_max_len:       encode documents at this many word pieces instead of the checkpoint's
                        ``doc_max_len`` (e.g. train at 256, index at 512); None: the checkpoint's.
     """
 
-    actors: int = 1
-    use_gpu: bool = False
-    cpus_per_actor: float = 1.0
     batch_size: int = 512
     encode_batch_size: int = 32
     float16: bool = False
     doc_max_len: int | None = None
 
     def validate(self) -> None:
-        for ok, msg in [(self.actors >= 1, "actors must be >= 1"), (self.batch_size >= 1, "batch_size must be >= 1"),
-                        (self.doc_max_len is None or self.doc_max_len >= 1, "doc_max_len must be >= 1"),
-                        (self.encode_batch_size >= 1, "encode_batch_size must be >= 1"),
-                        (self.cpus_per_actor > 0, "cpus_per_actor must be > 0")]:
-            if not ok:
-                raise ConfigError(f"EmbedConfig: {msg}")
+        validate_checks(self, self.pool_checks() + [
+            (self.doc_max_len is None or self.doc_max_len >= 1, "doc_max_len must be >= 1"),
+            (self.encode_batch_size >= 1, "encode_batch_size must be >= 1")])
 
 
 class DocumentEncoder:
     """Ray Data callable class: loads the model once per actor, embeds ``doc_text(title, text)``."""
 
     def __init__(self, checkpoint: str, use_gpu: bool = False, threads: int = 0, encode_batch_size: int = 32,
-                 doc_max_len: int | None = None):
-        import torch
-
+                 doc_max_len: int | None = None, crash_once: str | None = None):
         from ckray.models.checkpoint import load_model
 
-        if threads > 0 and not use_gpu:
-            torch.set_num_threads(threads)
-        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.device = actor_device(use_gpu, threads)
         self.model = load_model(checkpoint, map_location="cpu").to(self.device).eval()
         if doc_max_len is not None:  # checked against the encoder's positions by embed_corpus
             self.model.config.doc_max_len = doc_max_len
         self.encode_batch_size = encode_batch_size
+        self.crash_once = crash_once  # ckray.batch_inference.crash_once: a test's lost actor
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import contextlib
@@ -130,23 +121,18 @@ class DocumentEncoder:
 
         from ckray.data.collections import doc_text
 
+        crash_once(self.crash_once)
         wall0, cpu0 = time.perf_counter(), time.process_time()
         texts = [doc_text(t, x) for t, x in zip(batch["title"], batch["text"])]
         amp = (torch.autocast("cuda", dtype=torch.float16) if self.device.type == "cuda"
                else contextlib.nullcontext())
         with amp:
             emb = self.model.encode_documents(texts, batch_size=self.encode_batch_size)
-        n = max(len(texts), 1)
         out = {"doc_id": batch["doc_id"], "embedding": emb.float().numpy(),
-               # per-row share of this batch's encoding wall / CPU time (summed by the driver)
-               "_encode_s": np.full(len(texts), (time.perf_counter() - wall0) / n),
-               "_encode_cpu_s": np.full(len(texts), (time.process_time() - cpu0) / n),
-               "_done_at": np.full(len(texts), time.time())}
+               **timing_columns(len(texts), wall0, cpu0)}
         if "path" in batch:
             out["path"] = batch["path"]
         return out
-
-
 
 
 def _shard_stamp(source: Path, digest: str, config: EmbedConfig) -> dict:
@@ -171,22 +157,20 @@ def embedding_table(doc_ids: Sequence[str], embeddings: np.ndarray, float16: boo
 
 
 def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, config: EmbedConfig | None = None,
-                 out_dir: str | os.PathLike | None = None, progress: bool = True) -> dict:
+                 out_dir: str | os.PathLike | None = None, progress: bool = True, *,
+                 crash_once: str | None = None) -> dict:
     """Embed every corpus shard not yet embedded with this checkpoint; returns a summary dict.
 
-    The summary has ``documents`` (embedded now), ``shards_written``, ``shards_skipped``, ``batches``,
-    ``seconds`` (whole job: actor start, model load, encoding, writing), ``docs_per_s``,
-    ``steady_docs_per_s`` (documents completed after the first batch / time from the first to the
-    last batch completion, by the actors' clocks: throughput once the actors are warm), and
-    ``encode_s`` / ``encode_cpu_s``: wall and process-CPU seconds the actors spent inside their
-    batch calls, summed over actors; ``checkpoint_sha256`` (the model's digest, as the stamps record it).
+    The summary is ``ckray.batch_inference.run_shard_job``'s (``documents`` embedded now,
+    ``shards_written``, ``shards_skipped``, ``repeated_rows``, ``batches``, ``seconds``, ``docs_per_s``,
+    ``steady_docs_per_s``) with the actors' time as ``encode_s`` / ``encode_cpu_s`` (wall and
+    process-CPU seconds inside their batch calls, summed over actors), plus ``out_dir`` and
+    ``checkpoint_sha256`` (the model's digest, as the stamps record it). ``crash_once``: a marker path
+    that makes one actor die on its first batch (``ckray.batch_inference.crash_once``; tests).
     """
-    import ray
-
     config = config or EmbedConfig()
     config.validate()
     out_dir = Path(out_dir) if out_dir is not None else embeddings_dir(workdir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = str(Path(checkpoint).resolve())
     from ckray.models.checkpoint import checkpoint_digest
 
@@ -194,102 +178,21 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
     if config.doc_max_len is not None:
         _check_doc_max_len(checkpoint, config.doc_max_len)
     sources = shard_paths(workdir)
-    for stale in out_dir.glob(".part-*.tmp-*"):  # leftovers of an interrupted write
-        stale.unlink(missing_ok=True)
-
     stamps = {s.name: _shard_stamp(s, digest, config) for s in sources}
-    todo = [s for s in sources if not is_done(out_dir / s.name, stamps[s.name])]
-    skipped = len(sources) - len(todo)
-    log.info("embedding %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources), out_dir, skipped)
-    summary = {"documents": 0, "shards_written": 0, "shards_skipped": skipped, "batches": 0, "seconds": 0.0,
-               "docs_per_s": 0.0, "steady_docs_per_s": 0.0, "encode_s": 0.0, "encode_cpu_s": 0.0,
-               "out_dir": str(out_dir), "checkpoint_sha256": digest}
-    if not todo:
-        return summary
 
-    t0 = time.perf_counter()
-    expected = {s.name: stamps[s.name]["source_rows"] for s in todo}
-    for name in [n for n, rows in expected.items() if rows == 0]:
-        empty = np.zeros((0, _checkpoint_dim(checkpoint)), np.float32)
-        write_embedding_shard(out_dir / name, [], [empty], config.float16, stamps[name])
-        summary["shards_written"] += 1
-    pending = [s for s in todo if expected[s.name] > 0]
-    if not pending:
-        summary["seconds"] = time.perf_counter() - t0
-        return summary
+    def write(path: Path, ids: list[str], vectors: list[np.ndarray], stamp: dict) -> None:
+        emb = np.stack(vectors) if vectors else np.zeros((0, _checkpoint_dim(checkpoint)), np.float32)
+        write_embedding_shard(path, ids, [emb], config.float16, stamp)
 
-    if not ray.is_initialized():
-        from ckray.ray_env import init_ray
-
-        init_ray()
-    import ray.data
-
-    total = sum(expected[s.name] for s in pending)
-    # Small files are read by one task into one block; the streaming repartition cuts blocks of one
-    # actor batch, so every actor of the pool gets work, results stream back batch by batch (progress,
-    # shards written early) and a slow actor holds back at most one batch.
-    ds = ray.data.read_parquet([str(s) for s in pending], include_paths=True, columns=["doc_id", "title", "text"])
-    ds = ds.repartition(target_num_rows_per_block=config.batch_size)
-    ds = ds.map_batches(
-        DocumentEncoder,
-        fn_constructor_kwargs={"checkpoint": checkpoint, "use_gpu": config.use_gpu,
-                               "threads": max(1, int(config.cpus_per_actor)),
-                               "encode_batch_size": config.encode_batch_size, "doc_max_len": config.doc_max_len},
-        batch_size=config.batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=config.actors),
-        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
-    )
-
-    buffers: dict[str, tuple[list, list]] = {s.name: ([], []) for s in pending}
-    done_docs = 0
-    completions: list[tuple[float, int]] = []     # (actor-side completion time, rows) per batch
-    bar = _progress(total, progress)
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        names = np.array([Path(str(p)).name for p in batch["path"]])
-        emb = np.asarray(batch["embedding"])
-        for name in np.unique(names):
-            sel = names == name
-            ids, vecs = buffers[name]
-            ids.extend(batch["doc_id"][sel].tolist())
-            vecs.append(emb[sel])
-            if len(ids) == expected[name]:
-                write_embedding_shard(out_dir / name, ids, vecs, config.float16, stamps[name])
-                del buffers[name]
-                summary["shards_written"] += 1
-                log.info("embedded %s: %d documents (%d/%d shards)", name, expected[name],
-                         summary["shards_written"] + skipped, len(sources))
-            elif len(ids) > expected[name]:
-                raise MissingArtifactError(f"{name}: got {len(ids)} embeddings for {expected[name]} documents; "
-                                           f"the corpus shard changed during the job, re-run it")
-        done_docs += len(names)
-        summary["batches"] += 1
-        summary["encode_s"] += float(np.sum(batch["_encode_s"]))
-        summary["encode_cpu_s"] += float(np.sum(batch["_encode_cpu_s"]))
-        for t in np.unique(batch["_done_at"]):
-            completions.append((float(t), int(np.sum(batch["_done_at"] == t))))
-        bar.update(len(names))
-    bar.close()
-    if buffers:
-        raise MissingArtifactError(f"embedding job ended with incomplete shards {sorted(buffers)}; re-run it")
-    end = time.perf_counter()
-    summary.update(documents=done_docs, seconds=end - t0, docs_per_s=done_docs / max(end - t0, 1e-9),
-                   steady_docs_per_s=_steady_rate(completions))
-    log.info("embedded %d documents in %.1fs (%.1f docs/s; %.1f docs/s after the first batch)", done_docs,
-             summary["seconds"], summary["docs_per_s"], summary["steady_docs_per_s"])
-    return summary
-
-
-def _steady_rate(completions: list[tuple[float, int]]) -> float:
-    """Documents completed after the first batch / time from the first to the last completion.
-
-    Uses the actors' own completion times, so neither actor start-up and model loading nor the
-    latency of handing results to the driver count; 0.0 with fewer than two batches.
-    """
-    if len(completions) < 2:
-        return 0.0
-    completions = sorted(completions)
-    span = completions[-1][0] - completions[0][0]
-    return sum(n for _, n in completions[1:]) / span if span > 0 else 0.0
+    summary = run_shard_job(ShardJob(
+        what="embedding", sources=sources, out_dir=out_dir, stamps=stamps, actor=DocumentEncoder,
+        actor_kwargs={"checkpoint": checkpoint, "use_gpu": config.use_gpu, "threads": config.torch_threads,
+                      "encode_batch_size": config.encode_batch_size, "doc_max_len": config.doc_max_len,
+                      "crash_once": crash_once},
+        pool=config, payloads=lambda batch: np.asarray(batch["embedding"]), write=write, progress=progress))
+    summary["encode_s"] = summary.pop("actor_seconds")
+    summary["encode_cpu_s"] = summary.pop("actor_cpu_seconds")
+    return {**summary, "out_dir": str(out_dir), "checkpoint_sha256": digest}
 
 
 def _check_doc_max_len(checkpoint: str, doc_max_len: int) -> None:
@@ -311,18 +214,6 @@ def _checkpoint_dim(checkpoint: str) -> int:
     if not dim:
         raise MissingArtifactError(f"checkpoint {checkpoint} records no embedding dimension (config.dim)")
     return int(dim)
-
-
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, unit="doc", desc="embedding", disable=not enabled)
-    except ImportError:  # pragma: no cover
-        class _Null:
-            def update(self, n): ...
-            def close(self): ...
-        return _Null()
 
 
 def write_embedding_shard(path: str | os.PathLike, ids: Sequence[str], vecs: Sequence[np.ndarray], float16: bool,
@@ -607,7 +498,6 @@ class DenseRetriever:
 # (c) Hybrid retrieval (Eq. 8) and λ_test tuning
 # ---------------------------------------------------------------------------------------------
 
-Candidates = dict[str, dict[str, tuple[float, float]]]   # qid → doc_id → (s_lex, s_emb)
 DEFAULT_LAMBDA_GRID: tuple[float, ...] = (0.0, *[round(float(x), 6) for x in np.geomspace(1e-3, 10.0, 41)])
 
 
@@ -648,33 +538,16 @@ def _fill(qid: str, ids: list[str], scorer, have: Mapping[str, float]) -> dict[s
     return {**got, **{d: floor for d in ids}}
 
 
-def fuse(candidates: Candidates, lam: float, k: int = 1000) -> Run:
-    """Eq. 8: ``s = λ_test · s_lex + s_emb``, top k per query, best first (ties by doc id)."""
-    run: Run = {}
-    for qid, docs in candidates.items():
-        scored = [(d, lam * sl + se) for d, (sl, se) in docs.items()]
-        scored.sort(key=lambda x: (-x[1], x[0]))
-        run[qid] = scored[:k]
-    return run
-
-
 def tune_lambda(candidates: Candidates, qrels: Mapping[str, Mapping[str, int]],
                 grid: Sequence[float] = DEFAULT_LAMBDA_GRID, k: int = 1000) -> tuple[float, dict[float, float]]:
-    """Grid search of λ_test maximising nDCG@10 over the judged queries in ``candidates``.
+    """Grid search of λ_test maximising nDCG@10 of Eq. 8 (``ckray.fusion.linear_fusion``, ``s = λ ·
+    s_lex + s_emb``) over the judged queries in ``candidates`` (``ckray.fusion.grid_search``).
 
-    Returns ``(best λ, {λ: nDCG@10})``; ties go to the smaller λ (the grid is scanned in order).
+    Returns ``(best λ, {λ: nDCG@10})``; ties go to the smaller λ.
     """
-    from ckray.eval import ndcg_at_10
-
-    judged = {q: dict(r) for q, r in qrels.items() if q in candidates and r}
-    if not judged:
-        raise ConfigError("tune_lambda: none of the candidate queries has judgments")
+    judged = judged_queries(qrels, candidates, "tune_lambda")
     cands = {q: candidates[q] for q in judged}
-    table = {float(lam): ndcg_at_10(fuse(cands, float(lam), k), judged) for lam in sorted(grid)}
-    best = max(table, key=lambda lam: (table[lam], -lam))
-    log.info("λ_test = %g (nDCG@10 %.4f on %d queries; λ=0 gives %.4f)", best, table[best], len(judged),
-             table.get(0.0, float("nan")))
-    return best, table
+    return grid_search(lambda lam: linear_fusion(cands, lam, k), judged, grid, "λ_test")
 
 
 @dataclass
@@ -706,7 +579,7 @@ class HybridRetriever:
         return hybrid_candidates(lex_run, dense_run, lex_score, emb_score)
 
     def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
-        run = fuse(self.candidates(queries, k), self.config.lam, k)
+        run = linear_fusion(self.candidates(queries, k), self.config.lam, k)
         return {q: run.get(q, []) for q in queries}
 
     def tune(self, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]],

@@ -58,15 +58,15 @@ are plain ASCII tokens that ``--pretokenized`` indexing and Lucene's term querie
 (word pieces such as ``##ing``, ``[UNK]`` or non-ASCII pieces would be at the mercy of the analyser).
 Queries use the same strings (``term_string``).
 
-**The job** (``build_impact_index``): the corpus shards not yet done (``is_done`` against a stamp of
-the checkpoint digest, the settings and the source shard) → ``ray.data.read_parquet(...,
-include_paths=True)`` → ``map_batches(ImpactScorer, compute=ActorPoolStrategy(size=actors))``; each
-actor loads the checkpoint once (``load_ck_model``), one GPU each with ``use_gpu``. Actors that die
-are restarted and their batches retried (``max_restarts``/``max_task_retries``). The driver groups
-rows by source shard, keeps each document once (a retried batch can repeat rows), and writes an impact
-shard atomically with its marker as soon as all its documents are in. Then every impact shard is
-checked against its corpus shard (same ids, each once; totals equal the manifest) — anything else
-raises :class:`ImpactIntegrityError`. JSON lines are (re)written for the current scale, and the
+**The job** (``build_impact_index``): a shard job of ``ckray.batch_inference`` — the corpus shards not
+yet done (``is_done`` against a stamp of the checkpoint digest, the settings and the source shard) →
+``map_batches(ImpactScorer, compute=ActorPoolStrategy(size=actors))``; each actor loads the checkpoint
+once (``load_ck_model``), one GPU each with ``use_gpu``. Actors that die are restarted and their
+batches retried (``max_restarts``/``max_task_retries``); each document is kept once (a retried batch
+can repeat rows) and a missing one is an error naming it. An impact shard is written atomically with
+its marker as soon as all its documents are in. Then every impact shard is checked against its corpus
+shard (same ids, each once; totals equal the manifest) — anything else raises
+:class:`ImpactIntegrityError`. JSON lines are (re)written for the current scale, and the
 Lucene index is (re)built only when its metadata differs from what it would now record.
 
 **Retrieval** (``ImpactRetriever``): a query is tokenised exactly as in training (``ck.tokenize``,
@@ -85,7 +85,6 @@ import logging
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -94,13 +93,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ckray.data.shards import (is_done, mark_done, read_json, read_manifest, shard_paths, write_json_atomic,
-                               write_parquet_atomic)
+from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
+                                   timing_columns, validate_checks)
+from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
+from ckray.fusion import Run
 
 log = logging.getLogger(__name__)
-
-Run = dict[str, list[tuple[str, float]]]
 
 IMPACT_DIR = "impact"
 META_FILE = "ckray_impact.json"
@@ -147,8 +146,10 @@ def term_string(term_id: int) -> str:
 # =============================================================================================
 
 @dataclass
-class ImpactConfig:
-    """The impact-building job.
+class ImpactConfig(ActorPoolConfig):
+    """The impact-building job: its actor pool (``ckray.batch_inference.ActorPoolConfig``: actors,
+    use_gpu, cpus_per_actor, batch_size — documents per actor batch —, max_restarts,
+    max_task_retries) and
 
     top_k:                 terms kept per document (by w_td).
     explicit_weight:       β: the stored weight is s_td + β·s_explicit_td (module docstring); 0 = s_td.
@@ -156,14 +157,8 @@ class ImpactConfig:
     candidate_pool:        "window" (cosine with window centroids, cheap) or "position" (best position).
     quant_max:             the largest weight in the corpus maps to this integer.
     scale:                 a fixed quantisation scale instead (e.g. to match another index); None = from quant_max.
-    actors:                size of the Ray Data actor pool (one model copy each).
-    use_gpu:               one GPU per actor.
-    cpus_per_actor:        logical CPUs reserved per actor; also its torch threads on CPU.
-    batch_size:            documents per Ray Data batch handed to an actor.
     token_budget:          word pieces (documents × padded length) per forward pass inside an actor.
     index_threads:         Lucene indexing threads.
-    max_restarts, max_task_retries: Ray fault tolerance for the actors (a lost actor is restarted and
-                           its batch retried).
     """
 
     top_k: int = 256             # both chosen on SciFact's held-out training queries (module docstring)
@@ -172,17 +167,12 @@ class ImpactConfig:
     candidate_pool: str = "window"
     quant_max: int = 255
     scale: float | None = None
-    actors: int = 1
-    use_gpu: bool = False
-    cpus_per_actor: float = 1.0
     batch_size: int = 64
     token_budget: int = 8192
     index_threads: int = 2
-    max_restarts: int = 4
-    max_task_retries: int = 4
 
     def validate(self) -> None:
-        checks = [
+        validate_checks(self, self.pool_checks() + [
             (self.top_k >= 1, "top_k must be >= 1"),
             (math.isfinite(self.explicit_weight) and self.explicit_weight >= 0,
              f"explicit_weight (--explicit-weight) must be a finite number >= 0, got {self.explicit_weight}"),
@@ -190,15 +180,9 @@ class ImpactConfig:
             (self.candidate_pool in CANDIDATE_POOLS, f"candidate_pool must be one of {CANDIDATE_POOLS}"),
             (self.quant_max >= 1, "quant_max must be >= 1"),
             (self.scale is None or self.scale > 0, "scale must be > 0"),
-            (self.actors >= 1, "actors must be >= 1"),
-            (self.cpus_per_actor > 0, "cpus_per_actor must be > 0"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.token_budget >= 1, "token_budget must be >= 1"),
             (self.index_threads >= 1, "index_threads must be >= 1"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(f"ImpactConfig: {msg}")
+        ])
 
     def scoring_settings(self) -> dict:
         """The settings that change the stored w_td (part of every shard's stamp)."""
@@ -358,19 +342,15 @@ class TermImpactScorer:
 class ImpactScorer:
     """Ray Data callable class: loads the checkpoint once per actor, returns impact vectors.
 
-    ``crash_once`` is a fault-injection hook for tests: when set to a path that does not exist yet,
-    the actor creates it and exits on its first batch (so exactly one actor dies, once).
+    ``crash_once`` is a fault-injection hook for tests (``ckray.batch_inference.crash_once``: one
+    actor dies on its first batch, once).
     """
 
     def __init__(self, checkpoint: str, config: dict, use_gpu: bool = False, threads: int = 0,
                  crash_once: str | None = None):
-        import torch
-
         from ckray.models.ck import load_ck_model
 
-        if threads > 0 and not use_gpu:
-            torch.set_num_threads(threads)
-        device = torch.device("cuda" if use_gpu else "cpu")
+        device = actor_device(use_gpu, threads)
         model = load_ck_model(checkpoint, map_location="cpu").to(device).eval()
         self.scorer = TermImpactScorer(model, ImpactConfig(**config))
         self.crash_once = crash_once
@@ -378,20 +358,17 @@ class ImpactScorer:
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         from ckray.data.collections import doc_text
 
-        if self.crash_once and not os.path.exists(self.crash_once):
-            Path(self.crash_once).touch()
-            os._exit(1)
-        t0 = time.perf_counter()
+        crash_once(self.crash_once)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         texts = [doc_text(t, x) for t, x in zip(batch["title"], batch["text"])]
         vectors = self.scorer.score_texts(texts)
-        n = max(len(texts), 1)
+        timing = timing_columns(len(texts), wall0, cpu0)
         return pa.table({
             "doc_id": pa.array([str(d) for d in batch["doc_id"]], pa.string()),
             "path": pa.array([str(p) for p in batch["path"]], pa.string()),
             "terms": pa.array([v[0] for v in vectors], pa.list_(pa.int32())),
             "weights": pa.array([v[1] for v in vectors], pa.list_(pa.float32())),
-            "_seconds": pa.array(np.full(len(texts), (time.perf_counter() - t0) / n)),
-            "_done_at": pa.array(np.full(len(texts), time.time())),
+            **{name: pa.array(values) for name, values in timing.items()},
         })
 
 
@@ -440,57 +417,13 @@ def write_impact_shard(path: Path, table: pa.Table, stamp: dict) -> None:
     mark_done(path, {**stamp, "max_weight": _max_weight(table)})
 
 
-@dataclass
-class _ShardBuffer:
-    """Rows of one source shard collected on the driver; each document kept once."""
-
-    expected: list[str]
-    rows: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    expected_set: set[str] = field(default_factory=set, init=False)
-
-    def __post_init__(self) -> None:
-        self.expected_set = set(self.expected)
-
-    def add(self, doc_id: str, terms: np.ndarray, weights: np.ndarray, shard: str) -> bool:
-        """Keep a row; False when the document is already in (a retried batch: the model is
-        deterministic, the first copy is kept)."""
-        if doc_id in self.rows:
-            return False
-        if doc_id not in self.expected_set:
-            raise ImpactIntegrityError(f"impact job returned document {doc_id!r} for {shard}, which does not "
-                                       "hold it; the corpus shards changed during the job, re-run it")
-        self.rows[doc_id] = (terms, weights)
-        return True
-
-    def complete(self) -> bool:
-        return len(self.rows) == len(self.expected_set)
-
-    def table(self) -> pa.Table:
-        return impact_table(self.expected, [self.rows[d][0] for d in self.expected],
-                            [self.rows[d][1] for d in self.expected])
-
-
-def _map_impact(ds, checkpoint: str, config: ImpactConfig, remote: dict, crash_once: str | None):
-    import ray.data
-
-    return ds.map_batches(
-        ImpactScorer,
-        fn_constructor_kwargs={"checkpoint": checkpoint, "config": asdict(config), "use_gpu": config.use_gpu,
-                               "threads": max(1, int(config.cpus_per_actor)), "crash_once": crash_once},
-        batch_size=config.batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=config.actors),
-        **remote,
-    )
-
-
 def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLike,
                         config: ImpactConfig | None = None, *, crash_once: str | None = None) -> dict:
-    """Score every corpus shard not yet done with this checkpoint and settings; returns a summary.
-
-    Summary: ``documents`` (scored now), ``shards_written``, ``shards_skipped``, ``repeated_rows``
-    (rows of retried batches dropped), ``seconds`` (whole job: actor start, model load, scoring,
-    writing), ``docs_per_s``, ``steady_docs_per_s`` (after the first batch, by the actors' clocks),
-    ``actor_seconds`` (time the actors spent inside their batch calls, summed), ``checkpoint_sha256``.
+    """Score every corpus shard not yet done with this checkpoint and settings; returns a summary:
+    ``ckray.batch_inference.run_shard_job``'s (``documents`` scored now, ``shards_written``,
+    ``shards_skipped``, ``repeated_rows`` — rows of retried batches dropped —, ``batches``, ``seconds``,
+    ``docs_per_s``, ``steady_docs_per_s``, ``actor_seconds``, ``actor_cpu_seconds``) plus ``actors`` and
+    ``checkpoint_sha256``.
     """
     config = config or ImpactConfig()
     config.validate()
@@ -500,94 +433,24 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
 
     digest = checkpoint_digest(checkpoint)
     manifest = read_manifest(workdir)
-    out_dir = impact_shards_dir(workdir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob(".part-*.tmp-*"):  # leftovers of an interrupted write
-        stale.unlink(missing_ok=True)
     sources = shard_paths(workdir)
-    rows = {s.name: pq.read_metadata(s).num_rows for s in sources}
-    stamps = {s.name: _shard_stamp(s, rows[s.name], manifest, digest, config.scoring_settings()) for s in sources}
-    todo = [s for s in sources if not is_done(out_dir / s.name, stamps[s.name])]
-    summary = {"documents": 0, "shards_written": 0, "shards_skipped": len(sources) - len(todo),
-               "repeated_rows": 0, "seconds": 0.0, "docs_per_s": 0.0, "steady_docs_per_s": 0.0,
-               "actor_seconds": 0.0, "actors": config.actors, "checkpoint_sha256": digest}
-    log.info("impact scoring %d of %d corpus shard(s) into %s (%d already done)", len(todo), len(sources),
-             out_dir, summary["shards_skipped"])
-    t0 = time.perf_counter()
-    for s in [s for s in todo if rows[s.name] == 0]:
-        write_impact_shard(out_dir / s.name, impact_table([], [], []), stamps[s.name])
-        summary["shards_written"] += 1
-    pending = [s for s in todo if rows[s.name] > 0]
-    if not pending:
-        summary["seconds"] = time.perf_counter() - t0
-        return summary
+    stamps = {s.name: _shard_stamp(s, pq.read_metadata(s).num_rows, manifest, digest, config.scoring_settings())
+              for s in sources}
 
-    import ray
+    def write(path: Path, ids: list[str], vectors: list[tuple[np.ndarray, np.ndarray]], stamp: dict) -> None:
+        write_impact_shard(path, impact_table(ids, [v[0] for v in vectors], [v[1] for v in vectors]), stamp)
 
-    if not ray.is_initialized():
-        from ckray.ray_env import init_ray
+    def payloads(batch: pa.Table) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(np.asarray(t.values, np.int32), np.asarray(w.values, np.float32))
+                for t, w in zip(batch.column("terms"), batch.column("weights"))]
 
-        init_ray()
-    import ray.data
-
-    buffers = {s.name: _ShardBuffer(pq.read_table(s, columns=["doc_id"]).column(0).to_pylist()) for s in pending}
-    ds = ray.data.read_parquet([str(s) for s in pending], include_paths=True, columns=["doc_id", "title", "text"])
-    ds = ds.repartition(target_num_rows_per_block=config.batch_size)  # every actor gets work; results stream
-    remote: dict[str, Any] = {"num_cpus": config.cpus_per_actor, "max_restarts": config.max_restarts,
-                              "max_task_retries": config.max_task_retries}
-    if config.use_gpu:
-        remote["num_gpus"] = 1
-    # Ray 2.60 has no named parameter for actor fault tolerance: max_restarts/max_task_retries go
-    # through ray_remote_args, which warns that it is deprecated.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        ds = _map_impact(ds, checkpoint, config, remote, crash_once)
-    completions: list[tuple[float, int]] = []
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        cols = {c: batch.column(c).to_pylist() for c in ("doc_id", "path")}
-        terms, weights = batch.column("terms"), batch.column("weights")
-        touched = set()
-        for i, (doc_id, path) in enumerate(zip(cols["doc_id"], cols["path"])):
-            name = Path(path).name
-            new = name in buffers and buffers[name].add(
-                doc_id, np.asarray(terms[i].values, np.int32), np.asarray(weights[i].values, np.float32), name)
-            if new:
-                summary["documents"] += 1
-                touched.add(name)
-            else:  # a repeat from a retried batch (possibly of a shard already written)
-                summary["repeated_rows"] += 1
-        summary["actor_seconds"] += float(np.sum(batch.column("_seconds").to_numpy()))
-        done_at = batch.column("_done_at").to_numpy()
-        for t in np.unique(done_at):
-            completions.append((float(t), int(np.sum(done_at == t))))
-        for name in sorted(touched):
-            if buffers[name].complete():
-                write_impact_shard(out_dir / name, buffers.pop(name).table(), stamps[name])
-                summary["shards_written"] += 1
-                log.info("impact shard %s: %d documents (%d/%d shards done)", name, rows[name],
-                         summary["shards_skipped"] + summary["shards_written"], len(sources))
-    if buffers:
-        missing = {n: len(b.expected_set) - len(b.rows) for n, b in buffers.items()}
-        raise ImpactIntegrityError(f"the impact job ended with documents missing (shard: count) {missing}; "
-                                   "re-run it (finished shards are kept)")
-    if summary["repeated_rows"]:
-        log.warning("dropped %d repeated rows (batches retried after a lost actor)", summary["repeated_rows"])
-    end = time.perf_counter()
-    summary.update(seconds=end - t0, docs_per_s=summary["documents"] / max(end - t0, 1e-9),
-                   steady_docs_per_s=_steady_rate(completions))
-    log.info("impact-scored %d documents in %.1fs (%.1f docs/s; %.1f docs/s after the first batch)",
-             summary["documents"], summary["seconds"], summary["docs_per_s"], summary["steady_docs_per_s"])
-    return summary
-
-
-def _steady_rate(completions: list[tuple[float, int]]) -> float:
-    """Documents completed after the first batch / time from the first to the last completion
-    (actor clocks: no actor start-up or model loading); 0.0 with fewer than two batches."""
-    if len(completions) < 2:
-        return 0.0
-    completions = sorted(completions)
-    span = completions[-1][0] - completions[0][0]
-    return sum(n for _, n in completions[1:]) / span if span > 0 else 0.0
+    summary = run_shard_job(ShardJob(
+        what="impact scoring", sources=sources, out_dir=impact_shards_dir(workdir), stamps=stamps,
+        actor=ImpactScorer,
+        actor_kwargs={"checkpoint": checkpoint, "config": asdict(config), "use_gpu": config.use_gpu,
+                      "threads": config.torch_threads, "crash_once": crash_once},
+        pool=config, payloads=payloads, write=write, batch_format="pyarrow"))
+    return {**summary, "actors": config.actors, "checkpoint_sha256": digest}
 
 
 def verify_impact_shards(workdir: str | os.PathLike) -> int:
