@@ -69,9 +69,11 @@ class CKTask(RankerTask):
         return CKCollator(self.config)(rows)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        from ckray.models.ck import pairwise_loss
+        """The pairwise softmax loss (``ckray.models.losses``) of the pair's scores, in float32."""
+        from ckray.models.losses import pairwise_loss
 
-        return pairwise_loss(*model.pairwise_scores(batch, self.train_top_k, self.gate_temperature))
+        pos, neg = model.pairwise_scores(batch, self.train_top_k, self.gate_temperature)
+        return pairwise_loss(pos.float(), neg.float())
 
     def score(self, model: torch.nn.Module, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
         return self.dev_scorer(model)(queries, docs, bm25)

@@ -60,6 +60,7 @@ from torch import nn
 
 from ckray.models.encoders import DEFAULT_ENCODER, encoder_config, load_encoder, load_tokenizer
 from ckray.models.kernels import RBFKernels, log_soft_tf
+from ckray.models.losses import pairwise_loss
 
 VARIANTS = ("knrm", "pacrr", "drmm", "vanilla")
 Batch = dict[str, torch.Tensor]
@@ -115,19 +116,6 @@ class CEDREncoding:
     doc_mask: torch.Tensor       # [B, D] bool
     cls: torch.Tensor            # [B, H] last-layer [CLS], averaged over segments
     query_emb: torch.Tensor      # [B, Q, H] embedding-layer (non-contextual) query vectors
-
-
-def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", margin: float = 1.0) -> torch.Tensor:
-    """Mean pairwise loss over (relevant, non-relevant) score pairs.
-
-    ``softmax``: cross-entropy of the relevant document under a softmax over the pair,
-    ``-log(e^pos / (e^pos + e^neg)) = softplus(neg - pos)``; ``hinge``: ``max(0, margin - pos + neg)``.
-    """
-    if kind == "softmax":
-        return F.softplus(neg - pos).mean()
-    if kind == "hinge":
-        return F.relu(margin - pos + neg).mean()
-    raise ValueError(f"unknown pairwise loss {kind!r}")
 
 
 def matching_histogram(sim: torch.Tensor, doc_mask: torch.Tensor, bins: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from torch import nn
 
 from ckray.errors import ConfigError
 from ckray.models.kernels import RBFKernels, pad_for_windows, window_mask, windowed_soft_tf
+from ckray.models.losses import pairwise_loss  # noqa: F401  (CK's training loss, importable from here)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -680,11 +681,6 @@ class CKModel(nn.Module):
                       torch.cat([batch["pos_ids"], batch["neg_ids"]]),
                       torch.cat([batch["pos_mask"], batch["neg_mask"]]), keep_top_k, gate_temperature)
         return scores[:B], scores[B:]
-
-
-def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
-    """Softmax cross-entropy over [S(q, d+), S(q, d−)]: mean of −log softmax(pos) = softplus(neg − pos)."""
-    return F.softplus(neg.float() - pos.float()).mean()
 
 
 @dataclass

@@ -47,10 +47,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, BertConfig
+from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import DEFAULT_ENCODER, load_tokenizer, resolve_encoder
+from ckray.models.encoders import DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, resolve_encoder
+from ckray.models.losses import pairwise_loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ class CLEAR(nn.Module):
 
         # What a checkpoint needs: the resolved depth split and the architecture, not the weights.
         self.config = replace(config, shared_layers=shared, dim=dim, pretrained=False,
-                              bert_config=_config_dict(bert.config))
+                              bert_config=architecture_of(bert.config))
         self.tokenizer = load_tokenizer(config.encoder)
 
     @staticmethod
@@ -173,12 +174,7 @@ class CLEAR(nn.Module):
         if config.pretrained:
             bert = _no_pooler(lambda **kw: AutoModel.from_pretrained(resolve_encoder(config.encoder), **kw))
         else:
-            if config.bert_config is not None:
-                arch = dict(config.bert_config)
-                model_type = arch.pop("model_type", "bert")
-                hf_config = BertConfig(**arch) if model_type == "bert" else AutoConfig.for_model(model_type, **arch)
-            else:
-                hf_config = AutoConfig.from_pretrained(resolve_encoder(config.encoder))
+            hf_config = encoder_config(config.encoder, config.bert_config)
             bert = _no_pooler(lambda **kw: AutoModel.from_config(hf_config, **kw))
         if not hasattr(getattr(bert, "encoder", None), "layer") or not hasattr(bert, "embeddings"):
             raise ConfigError(f"CLEARConfig.encoder={config.encoder!r} is a {type(bert).__name__}; CLEAR needs a "
@@ -279,15 +275,6 @@ def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _config_dict(hf_config) -> dict[str, Any]:
-    """The architecture part of a transformers config, JSON-serialisable."""
-    d = hf_config.to_dict()
-    for k in ("_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
-              "_attn_implementation_autoset", "id2label", "label2id"):
-        d.pop(k, None)
-    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None), list))}
-
-
 # ---------------------------------------------------------------------------------------------
 # Loss (Eq. 6–7) and the training-loop plug (RankerTask)
 # ---------------------------------------------------------------------------------------------
@@ -295,20 +282,14 @@ def _config_dict(hf_config) -> dict[str, Any]:
 def residual_margin_loss(s_pos: torch.Tensor, s_neg: torch.Tensor, lex_pos: torch.Tensor, lex_neg: torch.Tensor,
                          xi: float, lambda_train: float, constant_margin: bool = False,
                          reduction: str = "mean") -> torch.Tensor:
-    """``[m_r − s_emb(q,d+) + s_emb(q,d−)]_+`` with ``m_r = ξ − λ_train·(s_lex(q,d+) − s_lex(q,d−))`` (Eq. 6–7).
+    """``[m_r − s_emb(q,d+) + s_emb(q,d−)]_+`` with ``m_r = ξ − λ_train·(s_lex(q,d+) − s_lex(q,d−))`` (Eq. 6–7):
+    the hinge of ``ckray.models.losses.pairwise_loss`` with one margin per pair.
 
     ``constant_margin=True`` uses ``m_r = ξ`` (the ablation). ``reduction``: "mean", "sum" or "none".
     """
     lex_gap = (lex_pos - lex_neg).to(s_pos.dtype)
     margin = torch.full_like(s_pos, xi) if constant_margin else xi - lambda_train * lex_gap
-    loss = torch.clamp(margin - s_pos + s_neg, min=0.0)
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "none":
-        return loss
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
+    return pairwise_loss(s_pos, s_neg, "hinge", margin, reduction)
 
 
 def clear_collate(rows: Mapping[str, Any], tokenizer, config: CLEARConfig) -> dict[str, torch.Tensor]:

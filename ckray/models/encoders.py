@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
+from typing import Any
 
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModel, AutoTokenizer, BertConfig, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -42,8 +45,26 @@ def load_encoder(name_or_path: str | None = None, num_layers: int | None = None)
     return AutoModel.from_pretrained(path, config=config)
 
 
-def encoder_config(name_or_path: str | None = None):
-    return AutoConfig.from_pretrained(resolve_encoder(name_or_path))
+def encoder_config(name_or_path: str | None = None, architecture: Mapping[str, Any] | None = None) -> PretrainedConfig:
+    """The encoder's transformers config: rebuilt from a recorded ``architecture`` (what
+    :func:`architecture_of` gave; ``model_type`` "bert" when absent) when one is given, else the
+    pretrained encoder's."""
+    if architecture is None:
+        return AutoConfig.from_pretrained(resolve_encoder(name_or_path))
+    arch = dict(architecture)
+    model_type = arch.pop("model_type", "bert")
+    return BertConfig(**arch) if model_type == "bert" else AutoConfig.for_model(model_type, **arch)
+
+
+_NOT_ARCHITECTURE = frozenset({"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+                               "_attn_implementation_autoset", "id2label", "label2id"})
+
+
+def architecture_of(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The architecture fields of a transformers config, JSON-serialisable: what a checkpoint records
+    so :func:`encoder_config` rebuilds the encoder without the pretrained files."""
+    return {k: v for k, v in hf_config.to_dict().items()
+            if k not in _NOT_ARCHITECTURE and isinstance(v, (int, float, str, bool, type(None), list))}
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -39,13 +39,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModel, BertConfig
+from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import DEFAULT_ENCODER, load_tokenizer, resolve_encoder
+from ckray.models.encoders import DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, resolve_encoder
+from ckray.models.losses import pairwise_loss
 from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 
 
@@ -186,19 +186,12 @@ class QDSTransformer(nn.Module):
         self.score = nn.Linear(hidden, 1)
         nn.init.normal_(self.score.weight, std=bert.config.initializer_range)
         nn.init.zeros_(self.score.bias)
-        self.config = replace(config, pretrained=False, bert_config=_architecture(bert.config))
+        self.config = replace(config, pretrained=False, bert_config=architecture_of(bert.config))
         self.tokenizer = load_tokenizer(config.encoder)
 
     @staticmethod
     def _build_encoder(config: QDSConfig) -> nn.Module:
-        if config.pretrained:
-            hf_config = AutoConfig.from_pretrained(resolve_encoder(config.encoder))
-        elif config.bert_config is not None:
-            arch = dict(config.bert_config)
-            model_type = arch.pop("model_type", "bert")
-            hf_config = BertConfig(**arch) if model_type == "bert" else AutoConfig.for_model(model_type, **arch)
-        else:
-            hf_config = AutoConfig.from_pretrained(resolve_encoder(config.encoder))
+        hf_config = encoder_config(config.encoder, None if config.pretrained else config.bert_config)
         if config.num_layers is not None:
             hf_config.num_hidden_layers = config.num_layers
         if config.pretrained:
@@ -301,14 +294,6 @@ def _extend_positions(bert: nn.Module, max_length: int) -> None:
         emb.token_type_ids = torch.zeros(1, max_length, dtype=torch.long, device=old.device)
 
 
-def _architecture(hf_config) -> dict[str, Any]:
-    """The JSON-serialisable architecture fields of a transformers config."""
-    skip = {"_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
-            "id2label", "label2id", "_attn_implementation_autoset"}
-    return {k: v for k, v in hf_config.to_dict().items()
-            if k not in skip and isinstance(v, (int, float, str, bool, type(None), list))}
-
-
 # ---------------------------------------------------------------------------------------------
 # Training: pairwise loss on (query, d+, d−) triples, the RankerTask plug
 # ---------------------------------------------------------------------------------------------
@@ -321,19 +306,9 @@ def collate_triples(rows: Mapping[str, Any], tokenizer, config: QDSConfig) -> di
     return encode_pairs(tokenizer, queries + queries, docs, config)
 
 
-def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", margin: float = 1.0) -> torch.Tensor:
-    """``softmax``: −log e^{s+} / (e^{s+} + e^{s−}) (cross-entropy over the pair);
-    ``hinge``: max(0, margin − s+ + s−). Mean over the batch."""
-    if kind == "softmax":
-        return F.softplus(neg - pos).mean()                 # = −log σ(s+ − s−)
-    if kind == "hinge":
-        return torch.clamp(margin - pos + neg, min=0.0).mean()
-    raise ConfigError(f"pairwise loss must be 'softmax' or 'hinge', not {kind!r}")
-
-
 def triple_loss(model: QDSTransformer, batch: Mapping[str, torch.Tensor], kind: str = "softmax",
                 margin: float = 1.0) -> torch.Tensor:
-    """Score a ``collate_triples`` batch and apply ``pairwise_loss`` to its (d+, d−) halves."""
+    """Score a ``collate_triples`` batch and apply ``ckray.models.losses.pairwise_loss`` to its (d+, d−) halves."""
     scores = model(batch)
     pos, neg = scores.view(2, -1)
     return pairwise_loss(pos, neg, kind, margin)
