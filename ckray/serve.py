@@ -51,29 +51,21 @@ import swagger_ui_bundle
 
 from ckray import __version__
 from ckray.errors import ConfigError
-from ckray.pipelines import (RERANKERS, RETRIEVERS, Run, build_retriever, checkpoint_dir, is_interpolated,
+from ckray.fusion import RRF_K, FusedRetriever, Hits, reciprocal_rank_fusion  # noqa: F401 (FusedRetriever: re-exported)
+from ckray.pipelines import (RERANKERS, RETRIEVERS, build_retriever, checkpoint_dir, is_interpolated,
                              parse_pipeline, served_by_default)
 
 log = logging.getLogger(__name__)
-
-Hits = list[tuple[str, float]]
 
 MAX_K = 1000                 # results per request
 MAX_RERANK_DEPTH = 1000      # documents rescored per request
 MAX_QUERY_CHARS = 4096
 MAX_RETRIEVERS = 8           # retrievers fused in one request
 MAX_BODY_BYTES = 64 * 1024   # request bodies above this get 413
-RRF_K = 60                   # the constant of reciprocal-rank fusion (Cormack et al., 2009)
 ATTEMPTS = 3                 # tries of a call to a deployment whose replica died (Serve restarts it)
 READY_TIMEOUT_S = 2.0        # GET /readyz: how long each deployment may take to answer
 WARM_UP_QUERY = "ready"      # searched / scored once by each replica before it takes traffic
 DOCS_ASSETS = "/docs-assets"  # Swagger UI's JavaScript and CSS, served by the ingress itself
-
-
-# ============================================================================ fusion
-
-# one home for runs and their fusion (ckray.fusion); both names stay importable from here
-from ckray.fusion import FusedRetriever, reciprocal_rank_fusion  # noqa: E402, F401
 
 
 # ============================================================================ configuration
