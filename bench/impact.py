@@ -50,7 +50,7 @@ def checkpoint_for(arg: str | None, workdir: Path, texts: list[str]) -> tuple[Pa
     if arg:
         return Path(arg), "given"
     from ckray.models.checkpoint import save_model
-    from ckray.models.ck import CKConfig, CKModel
+    from ckray.rankers.ck_qti.model import CKConfig, CKModel
 
     path = Path(tempfile.mkdtemp(prefix="ck-untrained-", dir=workdir))
     model = CKModel(CKConfig()).eval()
@@ -89,7 +89,7 @@ def main() -> None:
     from ckray.data.collections import doc_text, read_queries_and_qrels
     from ckray.data.prepare import PrepareConfig, prepare_shards
     from ckray.data.shards import load_corpus_table
-    from ckray.index.impact import (ImpactConfig, ImpactRetriever, build_impact_index, build_impact_shards,
+    from ckray.rankers.ck_qti.impact import (ImpactConfig, ImpactRetriever, build_impact_index, build_impact_shards,
                                     impact_index_dir, impact_root)
     from ckray.lexical.bm25 import BM25Searcher, bm25_index_dir, build_bm25_index
     from ckray.ray_env import init_ray

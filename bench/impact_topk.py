@@ -41,7 +41,7 @@ def truncated_copy(src_w: Path, dst_w: Path, k: int) -> None:
     import pyarrow.parquet as pq
 
     from ckray.data.shards import marker_path, read_json
-    from ckray.index.impact import impact_shards_dir, impact_table, write_impact_shard
+    from ckray.rankers.ck_qti.impact import impact_shards_dir, impact_table, write_impact_shard
 
     link_corpus_shards(src_w, dst_w)
     out = impact_shards_dir(dst_w)
@@ -76,8 +76,8 @@ def main() -> None:
     from ckray.data.shards import DocStore
     from ckray.eval import evaluate
     from ckray.fusion import dev_queries
-    from ckray.index.impact import ImpactConfig, ImpactRetriever, build_impact_index, impact_index_dir
-    from ckray.index.impact_rerank import ImpactReranker
+    from ckray.rankers.ck_qti.impact import ImpactConfig, ImpactRetriever, build_impact_index, impact_index_dir
+    from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
     from ckray.lexical.bm25 import bm25_retriever
 
     checkpoint = Path(args.checkpoint or w / "checkpoints" / "ck-qti")

@@ -81,7 +81,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from ckray.device import default_device
-    from ckray.models.cedr import CEDRConfig, CEDRRanker
+    from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
     from ckray.rerank import rerank_local
 
     queries, run, docs = load_pairs(args.queries, args.docs_per_query)

@@ -50,7 +50,7 @@ def prepare_sample(root: Path, reranker: str) -> tuple[Path, Path]:
     import torch
 
     from ckray.data.sample import sample_workdir
-    from ckray.models.cedr import CEDRConfig, CEDRRanker
+    from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
     from ckray.models.checkpoint import save_model
     from ckray.pipelines import checkpoint_dir
 
@@ -159,7 +159,8 @@ def main() -> None:
     import torch
     from ray import serve
 
-    from ckray.pipelines import RERANKER_FACTORIES, build_pipeline
+    from ckray.pipelines import build_pipeline
+    from ckray.rankers import reranker_factory
     from ckray.serve import build_app
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -176,7 +177,7 @@ def main() -> None:
 
     torch.set_num_threads(args.torch_threads)
     # a checkpoint reranker's forward batch; a lookup reranker (ck-qti: stored impacts) has none
-    options = {} if args.reranker in RERANKER_FACTORIES else {"batch_size": args.forward_batch_size}
+    options = {} if reranker_factory(args.reranker) is not None else {"batch_size": args.forward_batch_size}
     local = build_pipeline(pipeline, workdir, rerank_depth=args.rerank_depth, reranker_options=options)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

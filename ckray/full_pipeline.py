@@ -1,10 +1,10 @@
 """The main job: every stage on one collection, then a report (Markdown table + PNG chart).
 
     prepare   Ray Data shards, BM25 index, BM25 negatives of the training queries
-    train     CK-QTI, CLEAR, CEDR-KNRM, QDS-Transformer (``ckray.stages.MODELS``: the very functions
-              behind jobs/train_*.py), a few steps each on the *training* queries
+    train     CK-QTI, CLEAR, CEDR-KNRM, QDS-Transformer (the registry's training stages, ``ckray.rankers``:
+              the very functions behind jobs/train_*.py), a few steps each on the *training* queries
     index     CK-QTI impact index; CLEAR dense index + hybrid λ_test tuned on training queries
-              (``ckray.stages.build_impact`` / ``build_dense``: jobs/build_*_index.py)
+              (their index stages: jobs/build_*_index.py)
     evaluate  every pipeline whose artifacts exist (bm25, ck-qti, clear-dense, clear, and each reranker
               over its first stage both alone and interpolated: bm25>ck-qti, bm25+ck-qti,
               bm25>cedr-knrm, bm25+cedr-knrm, bm25>qds, bm25+qds, clear>cedr-knrm, clear+cedr-knrm)
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # Training settings of the main pipeline, per model: a few steps, small batches, short inputs, so
 # the bundled sample trains every model in about a minute each on 2 CPU cores. Flags of the
-# model's job (ckray.stages / jobs/train_*.py); --max-steps comes from `steps` or the override.
+# model's job (ckray/rankers/<model>/stage.py, jobs/train_*.py); --max-steps comes from `steps` or the override.
 MODEL_DEFAULTS: dict[str, dict] = {
     "ck-qti": {"steps": 30, "flags": ["--batch-size", "4", "--layers", "1", "--max-doc-len", "256"]},
     "clear": {"steps": 20, "flags": ["--batch-size", "2", "--doc-max-len", "128", "--lr", "5e-5"]},
@@ -77,11 +77,14 @@ class FullPipelineConfig:
                 raise ConfigError.invalid("FullPipelineConfig", name, f"must be >= 1, got {value}")
 
     def selected_models(self) -> list[str]:
+        from ckray.rankers import trainable
+
+        known = list(trainable())  # registration order: first stages' rankers before the rerankers
         models = MODEL_ORDER if self.models is None else [m.strip() for m in self.models if m.strip()]
-        unknown = [m for m in models if m not in MODEL_DEFAULTS]
+        unknown = [m for m in models if m not in known]
         if unknown:
-            raise ConfigError(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODEL_ORDER)}")
-        return [m for m in MODEL_ORDER if m in models]   # dependency order, no duplicates
+            raise ConfigError(f"--models: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+        return [m for m in known if m in models]   # dependency order, no duplicates
 
 
 @dataclass
@@ -125,26 +128,25 @@ def _previous_work_times(workdir: Path) -> dict[str, float | None]:
 
 
 def available_pipelines(workdir: str | Path, interpolated: bool = True) -> list[str]:
-    """Every named pipeline whose artifacts exist in ``workdir``, in report order. Each reranker runs
-    as ``first>reranker`` (its score alone) and, with ``interpolated``, ``first+reranker`` (plus the
-    first stage's score, the weight tuned on held-out training queries: ``ckray.fusion``)."""
-    from ckray.index.dense import HYBRID_FILE, INDEX_FILE, index_dir
-    from ckray.index.impact import META_FILE, impact_index_dir
+    """Every named pipeline whose artifacts exist in ``workdir``, in report order: BM25 and each registered
+    first stage whose index exists (``ckray.rankers``), then each ranker's own
+    checkpoint reranking each ready first stage it names in ``rerank_over``, as ``first>reranker`` (its
+    score alone) and, with ``interpolated``, ``first+reranker`` (plus the first stage's score, the weight
+    tuned on held-out training queries: ``ckray.fusion``)."""
     from ckray.pipelines import checkpoint_dir
+    from ckray.rankers import first_stages, specs
 
     w = Path(workdir)
-    have = {m: (checkpoint_dir(w, m) / "model.safetensors").exists() for m in ("ck-qti", "cedr-knrm", "qds")}
-    impact = (impact_index_dir(w) / META_FILE).exists()
-    dense = (index_dir(w) / INDEX_FILE).exists()
-    hybrid = (index_dir(w).parent / HYBRID_FILE).exists()
-    names = ["bm25"]
-    names += ["ck-qti"] if impact else []
-    names += ["clear-dense"] if dense else []
-    names += ["clear"] if dense and hybrid else []
-    reranked = [("bm25", m) for m in ("ck-qti", "cedr-knrm", "qds") if have[m]]
-    reranked += [("clear", "cedr-knrm")] if dense and hybrid and have["cedr-knrm"] else []
-    for first, m in reranked:
-        names += [f"{first}>{m}"] + ([f"{first}+{m}"] if interpolated else [])
+    # BM25 always (prepare builds it); another first stage once its stamp files (written when complete) exist
+    ready = ["bm25"] + [name for name, fs in first_stages().items()
+                        if name != "bm25" and all((w / a).exists() for a in fs.stamp_files or fs.artifacts)]
+    own = [(r, s) for s in specs().values() for r in s.rerankers if r == s.name]  # not ablations
+    have = [(r, s) for r, s in own if (checkpoint_dir(w, r) / "model.safetensors").exists()]
+    names = list(ready)
+    for first in ready:
+        for m, spec in have:
+            if first in spec.rerank_over:
+                names += [f"{first}>{m}"] + ([f"{first}+{m}"] if interpolated else [])
     return names
 
 
@@ -221,10 +223,13 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
 
 
 def _train_argv(config: FullPipelineConfig, data: str, model: str) -> list[str]:
-    d = MODEL_DEFAULTS[model]
-    steps = config.max_steps if config.max_steps is not None else d["steps"]
+    """The training job's flags of ``model`` in the main job: ``MODEL_DEFAULTS``' (a registered ranker
+    without an entry there trains with its own job's defaults), then ``config``'s."""
+    d = MODEL_DEFAULTS.get(model, {"flags": []})
+    steps = config.max_steps if config.max_steps is not None else d.get("steps")
     argv = ["--data", data, "--workdir", str(config.workdir), "--train-split", config.train_split,
-            "--workers", str(config.workers), "--max-steps", str(steps), *TRAIN_FLAGS, *d["flags"]]
+            "--workers", str(config.workers), *(["--max-steps", str(steps)] if steps else []), *TRAIN_FLAGS,
+            *d["flags"]]
     if config.use_gpu:
         argv.append("--use-gpu")
     return argv + list(config.flags.get(model, []))
@@ -236,7 +241,8 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     from ckray.data.prepare import prepare_collection
     from ckray.ray_env import init_ray
     from ckray.report import write_report
-    from ckray.stages import MODELS, build_dense, build_impact, check_training_flags, parse_stage_args
+    from ckray.rankers import indexed
+    from ckray.stages import check_training_flags, parse_stage_args, run_stage
 
     models = config.selected_models()
     workdir = Path(config.workdir)
@@ -267,7 +273,7 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     training: dict[str, dict] = {}
     for model in models:
         with _stage(timings, did_work, f"train {model}") as stage:
-            result = MODELS[model].train(train_args[model])
+            result = run_stage(f"train:{model}", train_args[model])
             stage.did_work = result.steps > result.start_step
         training[model] = {
             "checkpoint": str(result.best_checkpoint), "steps": result.steps,
@@ -283,14 +289,14 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     if "ck-qti" in models:
         with _stage(timings, did_work, "index ck-qti (impact)") as stage:
             argv = ["--data", data, "--workdir", str(workdir), *IMPACT_FLAGS] + gpu
-            s = build_impact(parse_stage_args("index:ck-qti", argv))
+            s = indexed()["ck-qti"].index.build(parse_stage_args("index:ck-qti", argv))
             index["ck-qti"] = {"documents": s.get("total_documents"), "shards_scored": s.get("shards_written"),
                                "shards_skipped": s.get("shards_skipped"), "index_built": s.get("index_built")}
             stage.did_work = bool(s.get("shards_written") or s.get("index_built"))
     if "clear" in models:
         with _stage(timings, did_work, "index clear (dense + λ)") as stage:
             argv = ["--data", data, "--workdir", str(workdir), "--tune-split", config.train_split] + gpu
-            s = build_dense(parse_stage_args("index:clear", argv))
+            s = indexed()["clear"].index.build(parse_stage_args("index:clear", argv))
             index["clear"] = {"shards_embedded": s.get("shards_written"), "shards_skipped": s.get("shards_skipped"),
                               "lambda": s.get("lambda"), "tune_queries": s.get("tune_queries")}
             stage.did_work = bool(s.get("shards_written"))  # embedding is the work; the flat index and λ are redone

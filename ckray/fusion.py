@@ -21,7 +21,7 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
   ``W/fusion/<first>+<reranker>.json`` so evaluation and serving use the same weight.
 
 * **A linear combination of two scores per (query, document)** (:func:`linear_fusion`): CLEAR's
-  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.index.dense``).
+  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.dense``).
 
 Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`: the grid
 value whose fused run has the best nDCG@10 on the judged queries, ties to the smaller value.

@@ -10,7 +10,6 @@ trained checkpoint ``W/checkpoints/<name>`` whose model has ``score_texts(querie
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ckray import rankers
 from ckray.errors import ConfigError
 from ckray.fusion import Run, interpolate, load_interpolation
 
@@ -26,32 +26,15 @@ log = logging.getLogger(__name__)
 
 ALIASES = {"ck-qti-rerank": "bm25>ck-qti", "ck-rerank": "bm25>ck"}
 
-# first stage name → "module:factory"; each factory takes (workdir, **options) and returns a Retriever.
-RETRIEVERS: dict[str, str] = {
-    "bm25": "ckray.lexical.bm25:bm25_retriever",
-    "ck-qti": "ckray.index.impact:impact_retriever",
-    "clear-dense": "ckray.index.dense:dense_retriever",
-    "clear": "ckray.index.dense:hybrid_retriever",
-}
-
-# reranker name → checkpoint directory name under W/checkpoints (the model class comes from its config.json).
-RERANKERS: dict[str, str] = {
-    "ck-qti": "ck-qti", "ck-qti-unpruned": "ck-qti", "ck": "ck",
-    "cedr-knrm": "cedr-knrm", "cedr-pacrr": "cedr-pacrr", "cedr-drmm": "cedr-drmm", "vanilla-bert": "vanilla-bert",
-    "qds": "qds", "qds-longformer-qa": "qds-longformer-qa", "qds-local": "qds-local",
-}
-
-
-# rerankers built by their own factory (``(checkpoint, workdir, doc_text, **options) -> Reranker``); the
-# others are a CheckpointReranker over the checkpoint's ``score_texts``. ``ck-qti`` reranks by the
-# documents' top-k term impacts, as its index scores (ckray.index.impact_rerank); ``ck-qti-unpruned``
-# is the same checkpoint's dense Σ over every query term, kept as the ablation.
-RERANKER_FACTORIES: dict[str, str] = {"ck-qti": "ckray.index.impact_rerank:impact_reranker"}
+# First stages and rerankers come from the ranker registry (``ckray.rankers``): each ranker's spec
+# names its first stages (factory ``(workdir, **options) -> Retriever``) and its rerankers (checkpoint
+# directory under W/checkpoints; a CheckpointReranker over the model's ``score_texts`` unless the spec
+# names the reranker's own factory ``(checkpoint, workdir, doc_text, **options) -> Reranker``).
 
 
 def served_by_default(name: str) -> bool:
     """A reranker of its own checkpoint (not an ablation reading another's, like ``ck-qti-unpruned``)."""
-    return RERANKERS[name] == name
+    return rankers.rerankers()[name] == name
 
 
 class Retriever(Protocol):
@@ -62,11 +45,6 @@ class Reranker(Protocol):
     def rerank(self, queries: dict[str, str], run: Run, depth: int) -> Run: ...
 
 
-def _factory(spec: str):
-    module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def parse_pipeline(name: str) -> tuple[str, str | None]:
     """``(first stage, reranker or None)`` of ``first``, ``first>reranker`` or ``first+reranker``."""
     name = ALIASES.get(name.strip(), name.strip())
@@ -75,17 +53,20 @@ def parse_pipeline(name: str) -> tuple[str, str | None]:
     first, reranker = first.strip(), (reranker.strip() or None)
     if sep == "+" and reranker is None:
         raise ConfigError(f"pipeline {name!r}: '+' needs a reranker after it (e.g. bm25+cedr-knrm)")
-    if first not in RETRIEVERS:
-        raise ConfigError(f"unknown first stage {first!r} in pipeline {name!r}; known: {', '.join(sorted(RETRIEVERS))}")
-    if reranker is not None and reranker not in RERANKERS:
-        raise ConfigError(f"unknown reranker {reranker!r} in pipeline {name!r}; known: {', '.join(sorted(RERANKERS))}")
+    if first not in rankers.first_stages():
+        raise ConfigError(f"unknown first stage {first!r} in pipeline {name!r}; "
+                          f"known: {', '.join(sorted(rankers.first_stages()))}")
+    if reranker is not None and reranker not in rankers.rerankers():
+        raise ConfigError(f"unknown reranker {reranker!r} in pipeline {name!r}; "
+                          f"known: {', '.join(sorted(rankers.rerankers()))}")
     return first, reranker
 
 
 def build_retriever(name: str, workdir: str | os.PathLike, **options) -> Retriever:
-    if name not in RETRIEVERS:
-        raise ConfigError(f"unknown retriever {name!r}; known: {', '.join(sorted(RETRIEVERS))}")
-    return _factory(RETRIEVERS[name])(workdir, **options)
+    known = rankers.first_stages()
+    if name not in known:
+        raise ConfigError(f"unknown retriever {name!r}; known: {', '.join(sorted(known))}")
+    return rankers.resolve(known[name].factory)(workdir, **options)
 
 
 def is_interpolated(name: str) -> bool:
@@ -94,21 +75,12 @@ def is_interpolated(name: str) -> bool:
 
 
 def checkpoint_dir(workdir: str | os.PathLike, reranker: str) -> Path:
-    return Path(workdir) / "checkpoints" / RERANKERS[reranker]
+    return Path(workdir) / "checkpoints" / rankers.rerankers()[reranker]
 
 
 def first_stage_files(workdir: str | os.PathLike, first: str) -> list[Path]:
     """The small files that identify a first stage's index (each names the shards/checkpoint it came from)."""
-    from ckray.index.dense import HYBRID_FILE, META_FILE as DENSE_META, index_dir
-    from ckray.index.impact import META_FILE as IMPACT_META, impact_index_dir
-    from ckray.lexical.bm25 import META as BM25_META, bm25_index_dir
-
-    workdir = Path(workdir)
-    return {"bm25": [bm25_index_dir(workdir) / BM25_META],
-            "ck-qti": [impact_index_dir(workdir) / IMPACT_META],
-            "clear-dense": [index_dir(workdir) / DENSE_META],
-            "clear": [index_dir(workdir) / DENSE_META, index_dir(workdir).parent / HYBRID_FILE,
-                      bm25_index_dir(workdir) / BM25_META]}[first]
+    return rankers.first_stage_stamp_files(workdir, first)
 
 
 def artifact_content(path: Path):
@@ -138,16 +110,17 @@ def first_stage_digest(workdir: str | os.PathLike, first: str) -> str:
 
 
 def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker:
-    if name not in RERANKERS:
-        raise ConfigError(f"unknown reranker {name!r}; known: {', '.join(sorted(RERANKERS))}")
+    if name not in rankers.rerankers():
+        raise ConfigError(f"unknown reranker {name!r}; known: {', '.join(sorted(rankers.rerankers()))}")
     from ckray.data.shards import DocStore
     from ckray.models.checkpoint import read_checkpoint_config
     from ckray.rerank import CheckpointReranker
 
     path = checkpoint_dir(workdir, name)
     read_checkpoint_config(path)  # a clear error now, not at the first query
-    if name in RERANKER_FACTORIES:
-        return _factory(RERANKER_FACTORIES[name])(path, workdir, DocStore(workdir).text, **options)
+    factory = rankers.reranker_factory(name)
+    if factory is not None:
+        return rankers.resolve(factory)(path, workdir, DocStore(workdir).text, **options)
     return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, **options)
 
 

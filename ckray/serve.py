@@ -9,7 +9,7 @@ Deployments (each replica is one Ray actor with its own resources and autoscalin
       │                       with the same depth go to ``search`` together (``@serve.batch``)
       ├──  reciprocal-rank fusion of the retrievers' lists (in the ingress) when several are asked for
       └──► reranker-<name>    one per checkpoint ``W/checkpoints/<name>`` with ``name`` in
-                              ``ckray.pipelines.RERANKERS``; ``@serve.batch`` pools the (query, doc)
+                              the ranker registry (``ckray.rankers``); ``@serve.batch`` pools the (query, doc)
                               pairs of concurrent requests into shared ``score_texts`` forward passes
 
 Results equal the offline pipeline (``ckray.pipelines.build_pipeline(...).run``) for the same
@@ -50,10 +50,10 @@ from ray.serve.handle import DeploymentHandle
 import swagger_ui_bundle
 
 from ckray import __version__
+from ckray import rankers as registry
 from ckray.errors import ConfigError
 from ckray.fusion import RRF_K, FusedRetriever, Hits, reciprocal_rank_fusion  # noqa: F401 (FusedRetriever: re-exported)
-from ckray.pipelines import (RERANKERS, RETRIEVERS, build_retriever, checkpoint_dir, is_interpolated,
-                             parse_pipeline, served_by_default)
+from ckray.pipelines import build_retriever, checkpoint_dir, is_interpolated, parse_pipeline, served_by_default
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +70,9 @@ DOCS_ASSETS = "/docs-assets"  # Swagger UI's JavaScript and CSS, served by the i
 
 # ============================================================================ configuration
 
-# Files each first stage's factory loads, relative to the work directory (a directory must be
-# non-empty). A retriever is deployed only when they all exist; a RETRIEVERS entry without a line
-# here is probed by building it once in a throwaway Ray task.
-ARTIFACTS: dict[str, tuple[str, ...]] = {
-    "bm25": ("bm25/index",),
-    "ck-qti": ("impact/index",),
-    "clear-dense": ("dense/index",),
-    "clear": ("bm25/index", "dense/index", "dense/hybrid.json"),
-}
-
-
 class RetrieverSpec(BaseModel):
-    """A first stage to deploy: ``name`` is what requests ask for; ``retriever`` the ``RETRIEVERS``
-    entry it builds (default: ``name``), with factory keyword ``options`` (e.g. BM25's k1, b)."""
+    """A first stage to deploy: ``name`` is what requests ask for; ``retriever`` the registered first
+    stage it builds (default: ``name``), with factory keyword ``options`` (e.g. BM25's k1, b)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -144,8 +133,8 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     workdir: str
     default_pipeline: str = "bm25"                    # what GET /search runs: "<first stage>[><reranker>]"
-    retrievers: list[str | RetrieverSpec] | None = None   # None: every RETRIEVERS entry whose artifacts exist
-    rerankers: list[str] | None = None                # None: every RERANKERS checkpoint in W/checkpoints (not ablations)
+    retrievers: list[str | RetrieverSpec] | None = None   # None: every registered first stage whose artifacts exist
+    rerankers: list[str] | None = None                # None: every registered reranker's checkpoint in W/checkpoints (not ablations)
     default_k: int = Field(10, ge=1, le=MAX_K)
     rerank_depth: int = Field(100, ge=1, le=MAX_RERANK_DEPTH)   # default depth (the offline default)
     rrf_k: int = Field(RRF_K, ge=1)
@@ -177,17 +166,21 @@ def _probe_retriever(factory: str, workdir: str, options: dict) -> str | None:
 
 def retriever_missing(spec: RetrieverSpec, workdir: str | os.PathLike) -> str | None:
     """Why ``spec`` cannot be served from ``workdir`` (a missing artifact), or None when it can."""
-    if spec.factory not in RETRIEVERS:
-        return f"unknown retriever {spec.factory!r}; known: {', '.join(sorted(RETRIEVERS))}"
-    if spec.factory not in ARTIFACTS:
+    known = registry.first_stages()
+    if spec.factory not in known:
+        return f"unknown retriever {spec.factory!r}; known: {', '.join(sorted(known))}"
+    # the files its factory loads (a directory must be non-empty); a first stage that names none is
+    # probed by building it once in a throwaway Ray task
+    artifacts = known[spec.factory].artifacts
+    if not artifacts:
         return _probe_retriever(spec.factory, str(workdir), spec.options)
-    missing = [p for p in ARTIFACTS[spec.factory] if not _is_present(Path(workdir) / p)]
+    missing = [p for p in artifacts if not _is_present(Path(workdir) / p)]
     return f"missing {', '.join(str(Path(workdir) / p) for p in missing)}" if missing else None
 
 
 def reranker_missing(name: str, workdir: str | os.PathLike) -> str | None:
-    if name not in RERANKERS:
-        return f"unknown reranker {name!r}; known: {', '.join(sorted(RERANKERS))}"
+    if name not in registry.rerankers():
+        return f"unknown reranker {name!r}; known: {', '.join(sorted(registry.rerankers()))}"
     path = checkpoint_dir(workdir, name)
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
     return f"no checkpoint at {path} (missing {', '.join(missing)})" if missing else None
@@ -564,7 +557,7 @@ class SearchAPI:
             return
         if name in self.unavailable.get(kind + "s", {}):
             raise HTTPException(400, f"{kind} {name!r} is not available here: {self.unavailable[kind + 's'][name]}")
-        if name in (RETRIEVERS if kind == "retriever" else RERANKERS):
+        if name in (registry.first_stages() if kind == "retriever" else registry.rerankers()):
             raise HTTPException(400, f"{kind} {name!r} is not deployed in this application; available: "
                                      f"{', '.join(sorted(deployed)) or 'none'}")
         raise HTTPException(400, f"unknown {kind} {name!r}; available: {', '.join(sorted(deployed)) or 'none'}")
@@ -651,15 +644,17 @@ def build_app(args: AppArgs | dict[str, Any]) -> serve.Application:
     """The Serve application (``import_path: ckray.serve:build_app`` in serve_config.yaml).
 
     Deploys every requested first stage and reranker whose artifacts exist under ``args.workdir``
-    (all of ``RETRIEVERS`` / ``RERANKERS`` when not listed, ablations such as ``ck-qti-unpruned`` left
+    (every registered first stage / reranker when not listed, ablations such as ``ck-qti-unpruned`` left
     out); the rest are reported as unavailable (GET /healthz, and 400 with the reason when a request
     names one). The default pipeline must be deployable. A relative ``workdir`` is taken from the
     current directory.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     workdir = str(Path(args.workdir).expanduser().resolve())
-    specs = [RetrieverSpec(name=s) if isinstance(s, str) else s for s in (args.retrievers or list(RETRIEVERS))]
-    reranker_names = args.rerankers if args.rerankers is not None else [r for r in RERANKERS if served_by_default(r)]
+    specs = [RetrieverSpec(name=s) if isinstance(s, str) else s
+             for s in (args.retrievers or list(registry.first_stages()))]
+    reranker_names = (args.rerankers if args.rerankers is not None
+                      else [r for r in registry.rerankers() if served_by_default(r)])
     unavailable: dict[str, dict[str, str]] = {"retrievers": {}, "rerankers": {}}
     retrievers, rerankers = {}, {}
     for spec in specs:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckray.models.cedr import VARIANTS, CEDRConfig, CEDRRanker, matching_histogram, pairwise_loss
+from ckray.rankers.cedr.model import VARIANTS, CEDRConfig, CEDRRanker, matching_histogram, pairwise_loss
 from ckray.models.checkpoint import load_model, save_model
 
 TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -211,7 +211,7 @@ def test_cedr_task_plugs_into_the_shared_loop_interface():
     pytest.importorskip("ckray.train")
     import pickle
 
-    from ckray.models.cedr import CEDRTask
+    from ckray.rankers.cedr.task import CEDRTask
     from ckray.train import RankerTask
 
     cfg = CEDRConfig(variant="drmm", random_init=TINY, max_length=32, max_query_len=8)

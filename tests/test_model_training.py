@@ -51,8 +51,8 @@ def _train(task, data, tmp_path, steps=24, lr=1e-3):
 
 @pytest.mark.slow
 def test_ck_qti_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path):
-    from ckray.models.ck import CKConfig
-    from ckray.tasks import CKTask
+    from ckray.rankers.ck_qti.model import CKConfig
+    from ckray.rankers.ck_qti.task import CKTask
 
     config = CKConfig(embedding_init="random", emb_dim=64, d_model=64, n_heads=4, n_layers=1, ff_dim=64,
                       max_doc_len=256, max_query_len=24)
@@ -61,7 +61,8 @@ def test_ck_qti_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_pat
 
 @pytest.mark.slow
 def test_cedr_knrm_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path):
-    from ckray.models.cedr import CEDRConfig, CEDRTask
+    from ckray.rankers.cedr.model import CEDRConfig
+    from ckray.rankers.cedr.task import CEDRTask
 
     config = CEDRConfig(variant="knrm", max_length=128, max_segments=2,
                         random_init={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -71,7 +72,8 @@ def test_cedr_knrm_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_
 
 @pytest.mark.slow
 def test_clear_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path):
-    from ckray.models.clear import CLEARConfig, CLEARLossConfig, CLEARTask
+    from ckray.rankers.clear.model import CLEARConfig, CLEARLossConfig
+    from ckray.rankers.clear.task import CLEARTask
 
     bert = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 3,
             "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 512}
@@ -82,7 +84,8 @@ def test_clear_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path
 
 @pytest.mark.slow
 def test_qds_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path):
-    from ckray.models.qds import QDSConfig, QDSTask
+    from ckray.rankers.qds.model import QDSConfig
+    from ckray.rankers.qds.task import QDSTask
 
     bert = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
             "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 512}

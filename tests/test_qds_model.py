@@ -8,16 +8,8 @@ import torch
 
 from ckray.errors import ConfigError
 from ckray.models.checkpoint import load_model, save_model
-from ckray.models.qds import (
-    QDSConfig,
-    QDSTask,
-    QDSTransformer,
-    collate_triples,
-    encode_pairs,
-    pairwise_loss,
-    split_sentences,
-    triple_loss,
-)
+from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, encode_pairs, pairwise_loss, split_sentences, triple_loss
+from ckray.rankers.qds.task import QDSTask
 
 TINY_BERT = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=128, type_vocab_size=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckray.models.cedr import CEDRConfig, CEDRRanker
+from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
 from ckray.models.checkpoint import load_model, save_model
 from ckray.rerank import CheckpointReranker, merge_scores, rerank, rerank_local
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from ckray.errors import ConfigError
-from ckray.pipelines import RERANKERS, RETRIEVERS
+from ckray.rankers import first_stages, rerankers
 from ckray.serve import (AppArgs, FusedRetriever, RerankBatching, RetrieverSpec, SearchRequest, build_app,
                          deployment_options, reciprocal_rank_fusion, reranker_missing, retriever_missing)
 
@@ -108,7 +108,7 @@ def workdir(ray_session, tmp_path_factory, minilm_path):
     import torch
 
     from ckray.data.sample import sample_workdir
-    from ckray.models.cedr import CEDRConfig, CEDRRanker
+    from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
     from ckray.models.checkpoint import save_model
     from ckray.pipelines import checkpoint_dir
 
@@ -432,7 +432,7 @@ def test_shipped_serve_config_fits_two_cores_and_the_cluster_one_does_not_need_t
 
     demo = {"ingress": ["SearchAPI"],
             "retriever": [f"retriever-{r}" for r in ("bm25", "ck-qti", "clear-dense", "clear")],
-            "reranker": [f"reranker-{m}" for m in MODEL_DEFAULTS if m in RERANKERS]}
+            "reranker": [f"reranker-{m}" for m in MODEL_DEFAULTS if m in rerankers()]}
     assert len(demo["reranker"]) == 3
     laptop = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     cluster = yaml.safe_load((ROOT / "serve_config.cluster.yaml").read_text())
@@ -443,7 +443,7 @@ def test_shipped_serve_config_fits_two_cores_and_the_cluster_one_does_not_need_t
         for name in args.deployments:  # a kind, or the name of a deployment build_app makes
             kind = "ingress" if name == "SearchAPI" else name.split("-")[0]
             assert kind in ("ingress", "retriever", "reranker"), name
-            known = RETRIEVERS if kind == "retriever" else RERANKERS
+            known = first_stages() if kind == "retriever" else rerankers()
             assert name in (kind, "SearchAPI") or name.split("-", 1)[1] in known, name
         # Serve's own `deployments:` overrides must name deployments that always exist
         assert {d.name for d in app.deployments} <= {"SearchAPI", "retriever-bm25"}

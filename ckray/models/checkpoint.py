@@ -34,8 +34,24 @@ def class_path(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _import(path: str) -> Any:
+# Modules that moved since checkpoints recorded them in config.json (old module → its home now): a
+# checkpoint saved before the move still loads. New checkpoints record the new module.
+MOVED_MODULES: dict[str, str] = {
+    "ckray.models.ck": "ckray.rankers.ck_qti.model",
+    "ckray.models.clear": "ckray.rankers.clear.model",
+    "ckray.models.cedr": "ckray.rankers.cedr.model",
+    "ckray.models.qds": "ckray.rankers.qds.model",
+}
+
+
+def current_class_path(path: str) -> str:
+    """``path`` (``module.QualName`` from a ``config.json``) with a moved module replaced by its home now."""
     module, _, name = path.rpartition(".")
+    return f"{MOVED_MODULES.get(module, module)}.{name}"
+
+
+def _import(path: str) -> Any:
+    module, _, name = current_class_path(path).rpartition(".")
     return getattr(importlib.import_module(module), name)
 
 

@@ -12,7 +12,7 @@ A training example is a query with a relevant document d+ and a non-relevant one
       L = max(0, m − s+ + s−)
 
   ``m`` is a number, or a tensor with one margin per pair: CLEAR's residual margin
-  ``m_r = ξ − λ_train · (s_lex(q, d+) − s_lex(q, d−))`` (``ckray.models.clear``, Eq. 6–7).
+  ``m_r = ξ − λ_train · (s_lex(q, d+) − s_lex(q, d−))`` (``ckray.rankers.clear.model``, Eq. 6–7).
 """
 
 from __future__ import annotations

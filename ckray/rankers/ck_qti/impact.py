@@ -261,7 +261,7 @@ class TermImpactScorer:
         """Own distinct terms ∪ expansion terms, padded: (ids [B, T] long, mask [B, T] bool)."""
         import torch
 
-        from ckray.models.ck import pad_term_lists
+        from ckray.rankers.ck_qti.model import pad_term_lists
 
         exp = self.expansion(doc, self.config.expansion_candidates)
         per_doc = []
@@ -307,7 +307,7 @@ class TermImpactScorer:
         costs time). Terms tied at the top-k cut to that precision may swap between batchings."""
         import torch
 
-        from ckray.models.ck import tokenize
+        from ckray.rankers.ck_qti.model import tokenize
 
         if not len(texts):
             return []
@@ -348,7 +348,7 @@ class ImpactScorer:
 
     def __init__(self, checkpoint: str, config: dict, use_gpu: bool = False, threads: int = 0,
                  crash_once: str | None = None):
-        from ckray.models.ck import load_ck_model
+        from ckray.rankers.ck_qti.model import load_ck_model
 
         device = actor_device(use_gpu, threads)
         model = load_ck_model(checkpoint, map_location="cpu").to(device).eval()
@@ -622,7 +622,7 @@ def read_index_meta(index_dir: str | os.PathLike) -> dict:
 def query_term_counts(queries: Sequence[str], max_query_len: int, encoder: str | None) -> list[dict[int, int]]:
     """Each query's word-piece ids with their counts (training's tokenisation: a repeated term is
     summed twice in S_qd)."""
-    from ckray.models.ck import tokenize
+    from ckray.rankers.ck_qti.model import tokenize
 
     if not len(queries):
         return []

@@ -405,38 +405,3 @@ class CEDRRanker(nn.Module):
 def build_cedr(variant: str = "knrm", **kwargs: Any) -> CEDRRanker:
     """Shorthand: ``build_cedr("pacrr", num_layers=3)``."""
     return CEDRRanker(CEDRConfig(variant=variant, **kwargs))
-
-
-from ckray.train import RankerTask  # noqa: E402  (the shared loop; models above need none of it)
-
-
-@dataclass
-class CEDRTask(RankerTask):
-    """CEDR for :func:`ckray.train.fit`: pairwise loss on (query, relevant, BM25 negative) triples;
-    dev validation reranks BM25 candidates with the model alone."""
-
-    model_config: CEDRConfig = field(default_factory=CEDRConfig)
-    name: str = ""
-    head_lr_multiplier: float = 50.0
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            v = self.model_config.variant
-            self.name = "vanilla-bert" if v == "vanilla" else f"cedr-{v}"
-
-    def build_model(self) -> CEDRRanker:
-        return CEDRRanker(self.model_config)
-
-    def collate(self, rows: Mapping[str, np.ndarray]) -> Batch:
-        cfg = self.model_config
-        return collate_pairs(load_tokenizer(cfg.tokenizer or cfg.encoder), cfg, rows)
-
-    def loss(self, model: CEDRRanker, batch: Batch) -> torch.Tensor:
-        return model.pairwise_loss(batch)
-
-    def score(self, model: CEDRRanker, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
-        return model.score_texts(queries, docs)
-
-    def param_groups(self, model: CEDRRanker, lr: float, weight_decay: float) -> list[dict]:
-        """Section 3.1: the encoder at the base rate (2e-5 in the paper), the ranker head 50× faster (1e-3)."""
-        return model.param_groups(encoder_lr=lr, head_lr=lr * self.head_lr_multiplier)

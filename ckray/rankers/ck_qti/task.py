@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ckray.index.impact import ImpactConfig
+from ckray.rankers.ck_qti.impact import ImpactConfig
 from ckray.train import RankerTask
 
 
@@ -19,11 +19,11 @@ from ckray.train import RankerTask
 class CKTask(RankerTask):
     """CK-QTI / CK / TK: pairwise softmax loss over (q, d+, d−); IDF from the corpus (Eq. 9)."""
 
-    config: "object"                     # ckray.models.ck.CKConfig
+    config: "object"                     # ckray.rankers.ck_qti.model.CKConfig
     doc_freq: np.ndarray | None = None   # corpus document frequency per vocabulary id
     n_docs: int = 0
     mean_doc_len: float | None = None
-    # E[TF], E[|d|] of training triples (ckray.models.ck.explicit_training_statistics): the explicit
+    # E[TF], E[|d|] of training triples (ckray.rankers.ck_qti.model.explicit_training_statistics): the explicit
     # match then starts as BM25 under batch scaling (CKModel.start_explicit_as_bm25)
     train_mean_tf: float | None = None
     train_mean_len: float | None = None
@@ -53,7 +53,7 @@ class CKTask(RankerTask):
             raise ConfigError(f"--gate-temperature must be > 0, got {self.gate_temperature}")
 
     def build_model(self) -> torch.nn.Module:
-        from ckray.models.ck import CKModel
+        from ckray.rankers.ck_qti.model import CKModel
 
         model = CKModel(self.config)
         if self.doc_freq is not None:
@@ -64,7 +64,7 @@ class CKTask(RankerTask):
         return model
 
     def collate(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        from ckray.models.ck import CKCollator
+        from ckray.rankers.ck_qti.model import CKCollator
 
         return CKCollator(self.config)(rows)
 
@@ -89,12 +89,12 @@ class CKTask(RankerTask):
 
     def dev_scorer(self, model: torch.nn.Module) -> Callable[[list[str], list[str], list[float]], torch.Tensor]:
         """Dev scores. With QTI and ``dev_scoring="impacts"``: S_qd = Σ_{t∈q} s_td · 1[t ∈ top_k(d)]
-        (``ckray.index.impact_rerank``), so checkpoints are chosen by the scoring that is deployed. The
+        (``ckray.rankers.ck_qti.impact_rerank``), so checkpoints are chosen by the scoring that is deployed. The
         vocabulary's term vectors (expansion candidates) are encoded once per validation, and each
         distinct document once, however many queries and chunks it appears in."""
         if not self._scores_dev_by_impacts:
             return lambda queries, docs, bm25: model.score_texts(queries, docs)
-        from ckray.index.impact import TermImpactScorer, impact_score, impact_vector, query_term_counts
+        from ckray.rankers.ck_qti.impact import TermImpactScorer, impact_score, impact_vector, query_term_counts
 
         scorer = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k))
         vectors: dict[str, dict[int, float]] = {}

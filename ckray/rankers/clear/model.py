@@ -33,7 +33,7 @@ When BM25 already separates the pair by a lot, ``m_r`` is small or negative and 
 not try; when BM25 ranks the negative above the positive, ``m_r > ξ`` and the embedding must make up
 the difference. ``constant_margin=True`` gives the ablation ``m_r = ξ``.
 
-Retrieval (Eq. 8) interpolates both scores, ``s = λ_test · s_lex + s_emb`` (``ckray.index.dense``).
+Retrieval (Eq. 8) interpolates both scores, ``s = λ_test · s_lex + s_emb`` (``ckray.rankers.clear.dense``).
 Since ``λ·s_lex + s_emb`` ranks ``d+`` over ``d-`` exactly when ``s_emb(d+) − s_emb(d−) >
 −λ·Δs_lex``, choosing ``λ_train ≈ λ_test`` makes the training margin the one the hybrid needs.
 """
@@ -325,35 +325,3 @@ def clear_loss(model: CLEAR, batch: Mapping[str, torch.Tensor], loss_config: CLE
 
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
-
-
-from ckray.train import RankerTask  # noqa: E402  (the shared loop; models above need none of it)
-
-
-@dataclass
-class CLEARTask(RankerTask):
-    """CLEAR for :func:`ckray.train.fit`: residual-margin hinge on (query, d+, BM25 d−) triples.
-
-    Dev validation reranks BM25 candidates with the hybrid score of Eq. 8,
-    ``dev_lambda · s_lex + s_emb`` (``dev_lambda`` None: ``lambda_train``), so the checkpoint kept is
-    the one that complements BM25 best rather than the best stand-alone dense model.
-    """
-
-    model_config: CLEARConfig = field(default_factory=CLEARConfig)
-    loss_config: CLEARLossConfig = field(default_factory=CLEARLossConfig)
-    dev_lambda: float | None = None
-    name: str = "clear"
-
-    def build_model(self) -> CLEAR:
-        return CLEAR(self.model_config)
-
-    def collate(self, rows: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return clear_collate(rows, load_tokenizer(self.model_config.encoder), self.model_config)
-
-    def loss(self, model: CLEAR, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return clear_loss(model, batch, self.loss_config)
-
-    def score(self, model: CLEAR, queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
-        lam = self.loss_config.lambda_train if self.dev_lambda is None else self.dev_lambda
-        s_emb = model.score_texts(queries, docs)
-        return lam * torch.as_tensor(np.asarray(bm25, dtype=np.float32)) + s_emb

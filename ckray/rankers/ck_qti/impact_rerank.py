@@ -1,7 +1,7 @@
 """CK-QTI as a reranker, scored the way its impact index scores: ``bm25>ck-qti`` (``ck-qti-rerank``).
 
 With query term independence a document's CK-QTI representation does not depend on the query: its
-top-k term impacts ``{t: s_td}`` (``ckray.index.impact.TermImpactScorer``: the document's own terms and
+top-k term impacts ``{t: s_td}`` (``ckray.rankers.ck_qti.impact.TermImpactScorer``: the document's own terms and
 expansion candidates, the ``top_k`` best kept). Reranking a candidate is then a lookup,
 
     S_qd = Σ_{t ∈ q} count_t · s_td · 1[t ∈ top_k(d)]
@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
 from ckray.fusion import Run
-from ckray.index.impact import (ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, impact_vector,
+from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, impact_vector,
                                 query_term_counts)
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,8 @@ class ImpactReranker:
     def _compute(self, doc_ids: list[str]) -> None:
         if self._scorer is None:
             from ckray.device import default_device
-            from ckray.index.impact import TermImpactScorer
-            from ckray.models.ck import load_ck_model
+            from ckray.rankers.ck_qti.impact import TermImpactScorer
+            from ckray.rankers.ck_qti.model import load_ck_model
 
             model = load_ck_model(self.checkpoint).to(default_device()).eval()
             self._scorer = TermImpactScorer(model, self.config)

@@ -1,0 +1,112 @@
+"""CK-QTI's stages: the training job's flags and training (``jobs/train_ck.py``), the impact index job
+(``jobs/build_impact_index.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import replace
+
+from ckray.rankers.ck_qti import SPEC
+from ckray.stages import add_actor_pool_args, print_json as report
+
+log = logging.getLogger(__name__)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.rankers.ck_qti.model import CKConfig
+
+    g = p.add_argument_group("model (ckray.rankers.ck_qti.model)")
+    g.add_argument("--qti", action=argparse.BooleanOptionalAction, default=True,
+                   help="query term independence (CK-QTI); --no-qti: the paper's full CK (query contextualised)")
+    g.add_argument("--attention", choices=("separable", "quadratic"), default="separable",
+                   help="quadratic = the TK baseline")
+    g.add_argument("--max-doc-len", type=int, default=4000, help="document word pieces (not cut at 512)")
+    g.add_argument("--layers", type=int, default=2, help="Conformer blocks")
+    g.add_argument("--bm25-k1", type=float, default=CKConfig.bm25_k1, help="the explicit match starts as BM25(k1, b)")
+    g.add_argument("--bm25-b", type=float, default=CKConfig.bm25_b, help="b of that BM25 start")
+    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints (default: ck-qti; ck with "
+                   "--no-qti, tk with --attention quadratic)")
+    g.add_argument("--head-lr-multiplier", type=float, default=1.0,
+                   help="train everything but the pretrained word embeddings this many times faster")
+    g.add_argument("--dev-scoring", choices=("impacts", "dense"), default="impacts",
+                   help="CK-QTI checkpoints are picked on dev by Σ of each document's top-k term impacts (as "
+                   "the impact index and ck-qti-rerank score; 100 SciFact dev queries × 50 candidates took "
+                   "174–211 s per validation on 2 CPU cores) or by the model's dense Σ over all query terms")
+    g.add_argument("--train-top-k", type=int, default=0,
+                   help="train as the impact index deploys: a query term counts only as far as it is among the "
+                   "document's top k terms (a sigmoid gate at the k-th best own term's s_td); 0 = off")
+    g.add_argument("--gate-temperature", type=float, default=0.1,
+                   help="the gate's width as a fraction of the document's threshold s_td (with --train-top-k)")
+    return p
+
+
+EXPLICIT_STATS_TRIPLES = 1024  # training triples sampled for E[TF] and E[|d|] (batch scaling's start)
+
+
+def train(args: argparse.Namespace):
+    """CK-QTI (or the full CK with ``--no-qti``, the TK baseline with ``--attention quadratic``):
+    corpus statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>."""
+    from ckray.data.collections import doc_text
+    from ckray.data.shards import load_corpus_table
+    from ckray.rankers.ck_qti.model import CKConfig, corpus_statistics, explicit_training_statistics, tk_config
+    from ckray.rankers.ck_qti.task import CKTask
+    from ckray.train_job import run_training, training_config, training_data
+
+    base = tk_config() if args.attention == "quadratic" else CKConfig(qti=args.qti)
+    config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers, bm25_k1=args.bm25_k1, bm25_b=args.bm25_b)
+    name = args.name or ("tk" if args.attention == "quadratic" else "ck-qti" if args.qti else "ck")
+    train_config = training_config(args, name, **SPEC.training.defaults)  # every flag checked before any work
+    td = training_data(args)  # prepares shards, BM25 and negatives when missing
+    corpus = load_corpus_table(args.workdir)
+    stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())),
+                              config)
+    sample = td.triples.slice(0, EXPLICIT_STATS_TRIPLES).to_pydict()  # the triples are shuffled
+    mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config)
+    log.info("explicit match starts as BM25(k1=%.2f, b=%.2f) under E[TF]=%.2f, E[|d|]=%.0f (avgdl %.0f)",
+             config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
+    task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
+                  mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
+                  name=name, head_lr_multiplier=args.head_lr_multiplier, dev_scoring=args.dev_scoring,
+                  train_top_k=args.train_top_k, gate_temperature=args.gate_temperature)
+    return run_training(task, args, train_config, td=td)
+
+
+def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.rankers.ck_qti.impact import ImpactConfig
+
+    p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
+    p.add_argument("--top-k", type=int, default=ImpactConfig.top_k, help="terms kept per document")
+    p.add_argument("--explicit-weight", type=float, default=ImpactConfig.explicit_weight,
+                   help="β: store s_td + β·(the model's exact-match score, Eq. 9) per term; choose it on held-out "
+                   "training queries with bench/impact_topk.py --explicit-weights")
+    p.add_argument("--expansion-candidates", type=int, default=256,
+                   help="vocabulary terms added to a document's own terms as candidates")
+    p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
+                   help="how expansion candidates are chosen (window: cheap; position: GPU)")
+    p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
+    p.add_argument("--scale", type=float, default=None,
+                   help="fixed quantisation scale, overriding --quant-max (default: from --quant-max)")
+    add_actor_pool_args(p)
+    p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
+    p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
+    p.add_argument("--index-threads", type=int, default=2, help="Lucene indexing threads")
+    return p
+
+
+def build_index(args: argparse.Namespace) -> dict:
+    """The CK-QTI impact index (W/impact/index); returns ``build_impact_index``'s summary."""
+    from ckray.data.prepare import prepare_collection
+    from ckray.rankers.ck_qti.impact import ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint
+
+    checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
+    _check_checkpoint(checkpoint)  # a clear error before any work
+    config = ImpactConfig(top_k=args.top_k, explicit_weight=args.explicit_weight,
+                          expansion_candidates=args.expansion_candidates,
+                          candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
+                          actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
+                          batch_size=args.batch_size, token_budget=args.token_budget,
+                          index_threads=args.index_threads)
+    config.validate()
+    prepare_collection(args.data, args.workdir, split=None, bm25=False)  # shards, when there are none yet
+    return build_impact_index(args.workdir, checkpoint, config)

@@ -1,0 +1,91 @@
+"""CLEAR's stages: the training job's flags and training (``jobs/train_clear.py``), the dense index and
+hybrid λ job (``jobs/build_dense_index.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ckray.rankers.clear import SPEC
+from ckray.stages import add_actor_pool_args
+
+
+def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from ckray.models.encoders import DEFAULT_ENCODER
+
+    g = p.add_argument_group("model (ckray.rankers.clear.model)")
+    g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
+    g.add_argument("--doc-max-len", type=int, default=256, help="document word pieces the encoder reads")
+    g.add_argument("--xi", type=float, default=0.2, help="ξ, the margin before the lexical residual")
+    g.add_argument("--lambda-train", type=float, default=0.05, help="λ_train, weight of the BM25 gap in the margin")
+    g.add_argument("--constant-margin", action="store_true", help="ablation: m = ξ (no lexical residual)")
+    g.add_argument("--name", default=None,
+                   help="checkpoint name under W/checkpoints (default: clear; clear-constant with --constant-margin)")
+    return p
+
+
+def train(args: argparse.Namespace):
+    """CLEAR (BM25-residual margin) → W/checkpoints/clear (clear-constant with --constant-margin)."""
+    from ckray.rankers.clear.model import CLEARConfig, CLEARLossConfig
+    from ckray.rankers.clear.task import CLEARTask
+    from ckray.train_job import run_training, training_config
+
+    name = args.name or ("clear-constant" if args.constant_margin else "clear")
+    task = CLEARTask(model_config=CLEARConfig(encoder=args.encoder, doc_max_len=args.doc_max_len),
+                     loss_config=CLEARLossConfig(xi=args.xi, lambda_train=args.lambda_train,
+                                                 constant_margin=args.constant_margin), name=name)
+    return run_training(task, args, training_config(args, name, **SPEC.training.defaults))
+
+
+def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default: W/checkpoints/clear)")
+    add_actor_pool_args(p)
+    p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
+    p.add_argument("--doc-max-len", type=int, default=None,
+                   help="encode documents at this many word pieces (default: the checkpoint's doc_max_len)")
+    p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat",
+                   help="faiss index kind (flat: exact inner product)")
+    p.add_argument("--tune-split", default="train", help="qrels split whose queries tune λ_test (never test)")
+    p.add_argument("--tune-queries", choices=("held-out", "all"), default="held-out",
+                   help="tune λ_test on the held-out dev queries of --tune-split (those CLEAR did not train on) "
+                        "or on all of them (fine for an untrained encoder)")
+    return p
+
+
+def build_index(args: argparse.Namespace) -> dict:
+    """Embed the corpus with a CLEAR checkpoint, build W/dense/index and tune the hybrid λ_test on
+    the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
+    ``lambda`` (None when the collection has no such split)."""
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.rankers.clear.dense import EmbedConfig, IndexConfig, build_dense_index, tune_hybrid
+    from ckray.ray_env import init_ray
+
+    checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
+    embed = EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
+                        cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len)
+    embed.validate()  # the flags are checked before Ray starts
+    init_ray()
+    _, summary = build_dense_index(args.workdir, checkpoint, embed, IndexConfig(kind=args.index))
+    summary = dict(summary, **{"lambda": None})
+    queries, qrels = read_queries_and_qrels(Path(args.data))
+    if args.tune_split in qrels:
+        if getattr(args, "tune_queries", "held-out") == "held-out":
+            from ckray.fusion import dev_queries
+
+            split_q, tune_qrels = dev_queries(queries, qrels, split=args.tune_split)
+        else:
+            split_q = {q: queries[q] for q in qrels[args.tune_split] if q in queries}
+            tune_qrels = qrels[args.tune_split]
+        config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint)
+        summary.update({"lambda": config.lam, "tune_queries": len(split_q), "tune_split": args.tune_split})
+    return summary
+
+
+def report(summary: dict) -> None:
+    """What ``jobs/build_dense_index.py`` prints: the embedding job's summary, then λ_test if tuned."""
+    summary = dict(summary)
+    lam = summary.pop("lambda")
+    tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split") if k in summary}
+    print(f"embedding job: {summary}")
+    if lam is not None:
+        print(f"λ_test = {lam} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
