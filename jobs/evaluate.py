@@ -15,15 +15,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a `ray job submit` working dir
 
-from ckray.cli import base_parser, dataclass_from_args, run_job  # noqa: E402
+from ckray.cli import base_parser, run_job  # noqa: E402
 
 
 def main(args) -> None:
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, format_table
+    from ckray import api
+    from ckray.evaluate import format_table
 
-    config = dataclass_from_args(EvaluateConfig, args, pipelines=args.pipeline or ["bm25"])  # checks the flags
-    results = evaluate_pipelines(config)
-    print(format_table(results, config.split))
+    results = api.evaluate(args.pipeline or ["bm25"], args.data, args.workdir, split=args.split, k=args.k,
+                           rerank_depth=args.rerank_depth)
+    print(format_table(results, args.split))
 
 
 def parser():

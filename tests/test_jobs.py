@@ -64,13 +64,12 @@ def test_bad_flags_give_clear_errors(tmp_path):
     (["--bm25-k1", "0"], "--bm25-k1"), (["--bm25-b", "-0.1"], "--bm25-b")])
 def test_bad_training_flags_are_refused_before_any_work(tmp_path, flags, named):
     from ckray.errors import ConfigError
-    from ckray.rankers.ck_qti.stage import train
-    from ckray.stages import parse_stage_args
+    from ckray.stages import parse_stage_args, run_stage
 
     w = tmp_path / "w"
     args = parse_stage_args("train:ck-qti", ["--data", str(tmp_path / "data"), "--workdir", str(w), *flags])
     with pytest.raises(ConfigError, match=re.escape(named)):
-        train(args)
+        run_stage("train:ck-qti", args)
     assert not w.exists()  # nothing prepared, sharded or trained
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from transformers import (AutoConfig, AutoModel, AutoTokenizer, BertConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
+from ckray.models import DEFAULT_ENCODER  # noqa: F401  (the encoders' default, importable from here)
 
 
 def resolve_encoder(name_or_path: str | None = None) -> str:

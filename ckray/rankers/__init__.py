@@ -51,19 +51,29 @@ class FirstStage:
 
 @dataclass(frozen=True)
 class TrainingStage:
-    """How a ranker trains: ``module`` defines ``add_train_args(parser) -> parser`` (its job's model
-    flags) and ``train(args) -> TrainResult``; ``defaults`` are the training-loop settings
-    (``TrainConfig`` fields) that ``train`` uses where the job's flag is not given, shown in ``--help``."""
+    """How a ranker trains. ``options``: its typed training options (a dataclass whose fields declare
+    its job's model flags, :mod:`ckray.options`); ``module`` defines ``train(options, args) ->
+    TrainResult`` (``args``: the training data and loop flags); ``defaults``: the training-loop
+    settings (``TrainConfig`` fields) it uses where the job's flag is not given, shown in ``--help``."""
 
     module: str
+    options: Ref                          # the options dataclass, e.g. "ckray.rankers.ck_qti.options:CKQTIOptions"
     job: str                              # its command-line job, e.g. jobs/train_ck.py
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def add_args(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        return resolve(f"{self.module}:add_train_args")(parser)
+        from ckray.options import add_options
+
+        return add_options(parser, resolve(self.options), f"model ({self.module.rpartition('.')[0]})")
 
     def train(self, args: argparse.Namespace) -> Any:
-        return resolve(f"{self.module}:train")(args)
+        from ckray.options import options_from_args
+
+        return self.run(options_from_args(resolve(self.options), args), args)
+
+    def run(self, options: Any, args: argparse.Namespace) -> Any:
+        """Train with typed ``options`` (the training data and loop from ``args``)."""
+        return resolve(f"{self.module}:train")(options, args)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from ckray.rankers import FirstStage, IndexStage, RankerSpec, TrainingStage
 
 SPEC = RankerSpec(
     name="ck-qti", title="CK-QTI (Conformer-Kernel, query term independence)",
-    training=TrainingStage("ckray.rankers.ck_qti.stage", "jobs/train_ck.py",
-                           {"lr": 1e-3, "max_steps": 1000, "eval_every": 200, "batch_size": 16}),
+    training=TrainingStage("ckray.rankers.ck_qti.stage", "ckray.rankers.ck_qti.options:CKQTIOptions",
+                           "jobs/train_ck.py", {"lr": 1e-3, "max_steps": 1000, "eval_every": 200, "batch_size": 16}),
     index=IndexStage("ckray.rankers.ck_qti.stage", "jobs/build_impact_index.py"),
     first_stages={"ck-qti": FirstStage("ckray.rankers.ck_qti.impact:impact_retriever", artifacts=("impact/index",),
                                        stamp_files=("impact/index/ckray_impact.json",))},

@@ -8,54 +8,29 @@ import logging
 from dataclasses import replace
 
 from ckray.rankers.ck_qti import SPEC
+from ckray.rankers.ck_qti.options import CKQTIOptions
 from ckray.stages import add_actor_pool_args, print_json as report
 
 log = logging.getLogger(__name__)
 
 
-def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from ckray.rankers.ck_qti.model import CKConfig
-
-    g = p.add_argument_group("model (ckray.rankers.ck_qti.model)")
-    g.add_argument("--qti", action=argparse.BooleanOptionalAction, default=True,
-                   help="query term independence (CK-QTI); --no-qti: the paper's full CK (query contextualised)")
-    g.add_argument("--attention", choices=("separable", "quadratic"), default="separable",
-                   help="quadratic = the TK baseline")
-    g.add_argument("--max-doc-len", type=int, default=4000, help="document word pieces (not cut at 512)")
-    g.add_argument("--layers", type=int, default=2, help="Conformer blocks")
-    g.add_argument("--bm25-k1", type=float, default=CKConfig.bm25_k1, help="the explicit match starts as BM25(k1, b)")
-    g.add_argument("--bm25-b", type=float, default=CKConfig.bm25_b, help="b of that BM25 start")
-    g.add_argument("--name", default=None, help="checkpoint name under W/checkpoints (default: ck-qti; ck with "
-                   "--no-qti, tk with --attention quadratic)")
-    g.add_argument("--head-lr-multiplier", type=float, default=1.0,
-                   help="train everything but the pretrained word embeddings this many times faster")
-    g.add_argument("--dev-scoring", choices=("impacts", "dense"), default="impacts",
-                   help="CK-QTI checkpoints are picked on dev by Σ of each document's top-k term impacts (as "
-                   "the impact index and ck-qti-rerank score; 100 SciFact dev queries × 50 candidates took "
-                   "174–211 s per validation on 2 CPU cores) or by the model's dense Σ over all query terms")
-    g.add_argument("--train-top-k", type=int, default=0,
-                   help="train as the impact index deploys: a query term counts only as far as it is among the "
-                   "document's top k terms (a sigmoid gate at the k-th best own term's s_td); 0 = off")
-    g.add_argument("--gate-temperature", type=float, default=0.1,
-                   help="the gate's width as a fraction of the document's threshold s_td (with --train-top-k)")
-    return p
-
-
 EXPLICIT_STATS_TRIPLES = 1024  # training triples sampled for E[TF] and E[|d|] (batch scaling's start)
 
 
-def train(args: argparse.Namespace):
-    """CK-QTI (or the full CK with ``--no-qti``, the TK baseline with ``--attention quadratic``):
-    corpus statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>."""
+def train(options: CKQTIOptions, args: argparse.Namespace):
+    """CK-QTI (or the full CK with ``qti=False``, the TK baseline with ``attention="quadratic"``): corpus
+    statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>; the
+    training data and loop from ``args`` (a training job's flags)."""
     from ckray.data.collections import doc_text
     from ckray.data.shards import load_corpus_table
     from ckray.rankers.ck_qti.model import CKConfig, corpus_statistics, explicit_training_statistics, tk_config
     from ckray.rankers.ck_qti.task import CKTask
     from ckray.train_job import run_training, training_config, training_data
 
-    base = tk_config() if args.attention == "quadratic" else CKConfig(qti=args.qti)
-    config = replace(base, max_doc_len=args.max_doc_len, n_layers=args.layers, bm25_k1=args.bm25_k1, bm25_b=args.bm25_b)
-    name = args.name or ("tk" if args.attention == "quadratic" else "ck-qti" if args.qti else "ck")
+    o = options
+    base = tk_config() if o.attention == "quadratic" else CKConfig(qti=o.qti)
+    config = replace(base, max_doc_len=o.max_doc_len, n_layers=o.layers, bm25_k1=o.bm25_k1, bm25_b=o.bm25_b)
+    name = o.checkpoint_name
     train_config = training_config(args, name, **SPEC.training.defaults)  # every flag checked before any work
     td = training_data(args)  # prepares shards, BM25 and negatives when missing
     corpus = load_corpus_table(args.workdir)
@@ -67,8 +42,8 @@ def train(args: argparse.Namespace):
              config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
                   mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
-                  name=name, head_lr_multiplier=args.head_lr_multiplier, dev_scoring=args.dev_scoring,
-                  train_top_k=args.train_top_k, gate_temperature=args.gate_temperature)
+                  name=name, head_lr_multiplier=o.head_lr_multiplier, dev_scoring=o.dev_scoring,
+                  train_top_k=o.train_top_k, gate_temperature=o.gate_temperature)
     return run_training(task, args, train_config, td=td)
 
 

@@ -8,7 +8,8 @@ from ckray.rankers import ENCODER_TRAIN_DEFAULTS, FirstStage, IndexStage, Ranker
 
 SPEC = RankerSpec(
     name="clear", title="CLEAR (BM25-residual dense retrieval)",
-    training=TrainingStage("ckray.rankers.clear.stage", "jobs/train_clear.py", ENCODER_TRAIN_DEFAULTS),
+    training=TrainingStage("ckray.rankers.clear.stage", "ckray.rankers.clear.options:CLEAROptions", "jobs/train_clear.py",
+                           ENCODER_TRAIN_DEFAULTS),
     index=IndexStage("ckray.rankers.clear.stage", "jobs/build_dense_index.py"),
     first_stages={
         "clear-dense": FirstStage("ckray.rankers.clear.dense:dense_retriever", artifacts=("dense/index",),

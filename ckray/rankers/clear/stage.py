@@ -7,33 +7,21 @@ import argparse
 from pathlib import Path
 
 from ckray.rankers.clear import SPEC
+from ckray.rankers.clear.options import CLEAROptions
 from ckray.stages import add_actor_pool_args
 
 
-def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from ckray.models.encoders import DEFAULT_ENCODER
-
-    g = p.add_argument_group("model (ckray.rankers.clear.model)")
-    g.add_argument("--encoder", default=DEFAULT_ENCODER, help="Hugging Face id or directory of a BERT encoder")
-    g.add_argument("--doc-max-len", type=int, default=256, help="document word pieces the encoder reads")
-    g.add_argument("--xi", type=float, default=0.2, help="ξ, the margin before the lexical residual")
-    g.add_argument("--lambda-train", type=float, default=0.05, help="λ_train, weight of the BM25 gap in the margin")
-    g.add_argument("--constant-margin", action="store_true", help="ablation: m = ξ (no lexical residual)")
-    g.add_argument("--name", default=None,
-                   help="checkpoint name under W/checkpoints (default: clear; clear-constant with --constant-margin)")
-    return p
-
-
-def train(args: argparse.Namespace):
-    """CLEAR (BM25-residual margin) → W/checkpoints/clear (clear-constant with --constant-margin)."""
+def train(options: CLEAROptions, args: argparse.Namespace):
+    """CLEAR (BM25-residual margin) → W/checkpoints/clear (clear-constant with ``constant_margin``); the
+    training data and loop from ``args`` (a training job's flags)."""
     from ckray.rankers.clear.model import CLEARConfig, CLEARLossConfig
     from ckray.rankers.clear.task import CLEARTask
     from ckray.train_job import run_training, training_config
 
-    name = args.name or ("clear-constant" if args.constant_margin else "clear")
-    task = CLEARTask(model_config=CLEARConfig(encoder=args.encoder, doc_max_len=args.doc_max_len),
-                     loss_config=CLEARLossConfig(xi=args.xi, lambda_train=args.lambda_train,
-                                                 constant_margin=args.constant_margin), name=name)
+    o, name = options, options.checkpoint_name
+    task = CLEARTask(model_config=CLEARConfig(encoder=o.encoder, doc_max_len=o.doc_max_len),
+                     loss_config=CLEARLossConfig(xi=o.xi, lambda_train=o.lambda_train,
+                                                 constant_margin=o.constant_margin), name=name)
     return run_training(task, args, training_config(args, name, **SPEC.training.defaults))
 
 

@@ -1,0 +1,20 @@
+"""CEDR's typed training options: the model flags of ``jobs/train_cedr.py``, one field each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckray.models import DEFAULT_ENCODER
+from ckray.options import option
+
+
+@dataclass(frozen=True)
+class CEDROptions:
+    variant: str = option("knrm", "the interaction ranker over the encoder's per-layer similarity matrices, joined "
+                                  "with [CLS] (vanilla: BERT's [CLS] → linear alone)",
+                          choices=("knrm", "pacrr", "drmm", "vanilla"))
+    encoder: str = option(DEFAULT_ENCODER, "Hugging Face id or directory of a BERT encoder")
+    num_layers: int | None = option(None, "use only the first L encoder layers (default: all of them)")
+    max_length: int = option(512, "tokens per (query, segment) input")
+    max_segments: int = option(4, "segments per long document")
+

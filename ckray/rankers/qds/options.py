@@ -1,0 +1,24 @@
+"""QDS-Transformer's typed training options: the model flags of ``jobs/train_qds.py``, one field each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckray.models import DEFAULT_ENCODER
+from ckray.options import option
+
+
+@dataclass(frozen=True)
+class QDSOptions:
+    encoder: str = option(DEFAULT_ENCODER, "Hugging Face id or directory of a BERT encoder")
+    pattern: str = option("qds", "attention: local window + [CLS]/query global + [SOS] sentence hierarchy (qds), "
+                                 "without the hierarchy (longformer-qa), or the local window alone (local)",
+                          choices=("qds", "longformer-qa", "local"))
+    max_length: int = option(2048, "tokens of [CLS] query [SEP] [SOS] sentences …")
+    window: int = option(128, "local attention window w")
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
+    head_lr_multiplier: float = option(1.0, "train the [CLS] score head this many times faster than the encoder")
+
+    @property
+    def checkpoint_name(self) -> str:
+        return "qds" if self.pattern == "qds" else f"qds-{self.pattern}"
