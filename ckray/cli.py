@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -11,6 +12,10 @@ import sys
 from typing import Callable
 
 from ckray.errors import CkrayError, ConfigError
+
+# OS errors a job ends with exit 2 and the path, like a CkrayError: the work directory's file system is
+# full or read-only, or the job may not write there.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -61,7 +66,8 @@ def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
 
 def run_job(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
             argv: list[str] | None = None) -> None:
-    """Parse flags, set up logging and Ray, run ``main``; a CkrayError ends with its message, exit 2. A
+    """Parse flags, set up logging and Ray, run ``main``; a CkrayError ends with its message, exit 2, and
+    so does an OS error of :data:`STORAGE_ERRNOS` (full or read-only file system), naming its path. A
     ConfigError about a config field whose name is one of the job's options (``ConfigError.invalid``,
     e.g. ``EvaluateConfig.k``) names the option's flag instead (``--k``)."""
     args = parser.parse_args(argv)
@@ -75,5 +81,10 @@ def run_job(main: Callable[[argparse.Namespace], int | None], parser: argparse.A
         if isinstance(e, ConfigError):
             e = e.for_flags(option_flags(parser, args))
         logging.getLogger("ckray").error("%s", e)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        logging.getLogger("ckray").error("cannot write %s: %s", e.filename or "the work directory", e.strerror)
         sys.exit(2)
     sys.exit(code or 0)

@@ -3,9 +3,12 @@ for the corpus shards (``W/shards/part-NNNNN.parquet`` with ``doc_id, title, tex
 (``doc_id → (title, text)`` from memory-mapped files, :mod:`ckray.data.docstore`).
 
 A shard counts as finished only when its Parquet file is readable *and* its marker
-``<shard>.done.json`` records the same inputs and row count; anything else (a crash mid-write, a
-stale input) is redone. Files appear under their final name only by ``os.replace`` of a complete
-temporary file.
+``<shard>.done.json`` records the same inputs, row count, size in bytes and (checked unless the
+shard is older than its marker) sha256; anything else (a crash mid-write, a stale input,
+a shard truncated or overwritten since) is redone. Files appear under their final name only by
+``os.replace`` of a complete temporary file; a write that fails (full or read-only file system)
+raises :class:`~ckray.errors.CkrayError` naming the path and the reason, leaves no temporary file
+and the previous file, if any, untouched.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import hashlib
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ckray.errors import MissingArtifactError
+from ckray.errors import CkrayError, MissingArtifactError
 
 if TYPE_CHECKING:
     from ckray.data.docstore import DocStore  # noqa: F401  (re-exported by __getattr__ below)
@@ -33,22 +37,42 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
+def write_failed(path: str | os.PathLike, error: BaseException) -> CkrayError:
+    """The error a failed write of ``path`` raises: the path, the OS's reason, and that nothing changed."""
+    reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    return CkrayError(f"cannot write {path}: {reason}; the previous {Path(path).name}, if any, is unchanged")
+
+
+@contextmanager
+def atomic_target(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write the whole file to; on success it replaces ``path``
+    (``os.replace``). On failure the temporary file is removed, ``path`` is left as it was and an
+    ``OSError`` (full or read-only file system, no permission) becomes :func:`write_failed`'s error."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        os.replace(tmp, path)
+    except (OSError, pa.ArrowException) as e:
+        raise write_failed(path, e) from e
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
+    with atomic_target(path) as tmp:
+        pq.write_table(table, tmp)
+    return Path(path)
 
 
 def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
-    return path
+    with atomic_target(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    return Path(path)
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -68,24 +92,35 @@ def marker_path(shard: Path) -> Path:
 
 
 def mark_done(shard: str | os.PathLike, meta: dict) -> None:
-    """Record that ``shard`` is complete; call after the shard itself was written atomically."""
+    """Record that ``shard`` is complete (its row count, size and sha256 with ``meta``); call after the
+    shard itself was written atomically."""
     shard = Path(shard)
     rows = pq.read_metadata(shard).num_rows
-    write_json_atomic({**meta, "rows": rows}, marker_path(shard))
+    write_json_atomic({**meta, "rows": rows, "bytes": shard.stat().st_size, "sha256": file_sha256(shard)},
+                      marker_path(shard))
 
 
 def is_done(shard: str | os.PathLike, meta: dict) -> bool:
-    """True when ``shard`` is readable, has a marker whose fields equal ``meta``, and the row count matches."""
+    """True when ``shard`` is readable, has a marker whose fields equal ``meta``, and is the file the
+    marker describes: same row count and size always, and same sha256 unless the shard is older than
+    its marker (so a shard truncated or overwritten since is not done; a file system's coarse clock
+    can give both the same time, which checks the digest). Markers written before sizes and digests
+    were recorded are checked by row count only."""
     shard = Path(shard)
     marker = marker_path(shard)
-    if not shard.exists() or not marker.exists():
-        return False
     try:
         recorded = read_json(marker)
+        stat, marker_mtime = shard.stat(), marker.stat().st_mtime_ns
         rows = pq.read_metadata(shard).num_rows
     except Exception:
         return False
-    return all(recorded.get(k) == v for k, v in meta.items()) and recorded.get("rows") == rows
+    if not all(recorded.get(k) == v for k, v in meta.items()) or recorded.get("rows") != rows:
+        return False
+    if "bytes" not in recorded:
+        return True
+    if recorded["bytes"] != stat.st_size:
+        return False
+    return stat.st_mtime_ns < marker_mtime or recorded.get("sha256") == file_sha256(shard)
 
 
 def done_rows(shard: str | os.PathLike) -> int:

@@ -1,0 +1,81 @@
+"""The fault-injection suite's helpers: jobs run as real subprocesses (each its own local Ray), killed
+with SIGKILL at a seeded random point, and work directories compared file by file."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_env() -> dict[str, str]:
+    """The environment a job runs in: this one, without a Ray address (each job starts a local Ray)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    return env
+
+
+def run_job(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python jobs/<args>`` to completion."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=job_env(),
+                          timeout=timeout)
+
+
+def kill_job_at(args: list[str], ready: Callable[[str], bool], rng: random.Random, log: Path,
+                max_delay: float = 2.0, timeout: float = 600) -> str:
+    """Start ``python jobs/<args>``, wait until ``ready(output so far)``, then a random 0..``max_delay`` s
+    more, and SIGKILL the driver (then whatever it started, by process group: its local Ray). Fails
+    when the job ended by itself first. Returns the driver's output."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env=job_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready(log.read_text(errors="replace")):
+            assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before the kill point:\n" + log.read_text()
+            assert time.monotonic() < deadline, "the kill point was never reached:\n" + log.read_text()
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, max_delay))
+        assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before it was killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver's local Ray, started in its session
+        except ProcessLookupError:
+            pass
+    return log.read_text(errors="replace")
+
+
+def assert_ok(p: subprocess.CompletedProcess) -> None:
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def same_files(a: Path, b: Path, pattern: str, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The names matching ``pattern`` under ``a`` (less those in ``exclude``), asserted to be the same set
+    with the same bytes under ``b``."""
+    def listing(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.glob(pattern) if p.is_file() and p.name not in exclude)
+
+    names = listing(a)
+    assert names == listing(b)
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    return names
+
+
+def same_tables(a: Path, b: Path) -> None:
+    assert pq.read_table(a).equals(pq.read_table(b)), (a, b)
