@@ -623,7 +623,8 @@ class SearchAPI:
 
     async def _call(self, what: str, method: Any, *args: Any) -> Any:
         """``await method.remote(*args)``, tried again when the replica died or is restarting
-        (Serve starts a new one and routes the retry there); 503 when it stays unavailable."""
+        (Serve starts a new one and routes the retry there) or its queue is full; 503 with
+        ``Retry-After`` when it stays unavailable."""
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
@@ -634,7 +635,8 @@ class SearchAPI:
             except retryable as e:
                 log.warning("%s failed (%s), attempt %d of %d", what, type(e).__name__, attempt + 1, ATTEMPTS)
                 if attempt == ATTEMPTS - 1:
-                    raise HTTPException(503, f"{what} is unavailable right now ({type(e).__name__}); retry shortly")
+                    raise HTTPException(503, f"{what} is unavailable right now ({type(e).__name__}); retry shortly",
+                                        headers={"Retry-After": "1"})
                 await asyncio.sleep(0.25 * 2 ** attempt)
 
 

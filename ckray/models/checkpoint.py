@@ -6,6 +6,9 @@ Plain weights, loadable without Ray or DeepSpeed::
     model = load_model("W/checkpoints/ck-qti")
 
 A model is saveable when it has a dataclass ``config`` attribute and ``__init__(config)``.
+``config.json`` records the size and sha256 of ``model.safetensors``: a truncated weights file is
+refused on loading, naming the checkpoint, and so is one whose bytes changed after the checkpoint was
+saved (the digest is checked when the weights file is not older than ``config.json``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ckray.data.shards import file_sha256, write_failed
 from ckray.errors import MissingArtifactError
 
 CONFIG_FILE = "config.json"
@@ -58,7 +63,6 @@ def _import(path: str) -> Any:
 def save_model(model: torch.nn.Module, path: str | os.PathLike, extra: dict | None = None) -> Path:
     """Write the checkpoint atomically (temporary directory, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     config = model.config
     payload = {
         "model_class": class_path(model),
@@ -66,13 +70,22 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike, extra: dict | No
         "config": dataclasses.asdict(config),
         **(extra or {}),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    (tmp / CONFIG_FILE).write_text(json.dumps(payload, indent=2))
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    save_file(_untie(state), str(tmp / WEIGHTS_FILE))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        save_file(_untie(state), str(tmp / WEIGHTS_FILE))  # weights first: config.json is the newer file
+        payload.update(weights_bytes=(tmp / WEIGHTS_FILE).stat().st_size, weights_sha256=file_sha256(tmp / WEIGHTS_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(payload, indent=2))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:
+        raise write_failed(path, e) from e
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -120,7 +133,27 @@ def read_checkpoint(path: str | os.PathLike,
     weights = Path(path) / WEIGHTS_FILE
     if not weights.exists():
         raise MissingArtifactError(f"checkpoint {path} has no {WEIGHTS_FILE}; it is half-written, re-train")
-    return payload, load_file(str(weights), device=str(map_location))
+    _check_weights(path, payload)
+    try:
+        return payload, load_file(str(weights), device=str(map_location))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise MissingArtifactError(f"checkpoint {path}: {WEIGHTS_FILE} is unreadable ({e}); "
+                                   "it is truncated or corrupted, re-train or restore it") from e
+
+
+def _check_weights(path: str | os.PathLike, payload: dict) -> None:
+    """Refuse weights whose size differs from the recorded one, or whose sha256 does when the weights
+    file is not older than ``config.json`` (checkpoints saved before these were recorded pass)."""
+    weights, config = Path(path) / WEIGHTS_FILE, Path(path) / CONFIG_FILE
+    if "weights_bytes" not in payload:
+        return
+    size = weights.stat().st_size
+    if size != payload["weights_bytes"]:
+        raise MissingArtifactError(f"checkpoint {path}: {WEIGHTS_FILE} has {size} bytes, {CONFIG_FILE} records "
+                                   f"{payload['weights_bytes']}; it is truncated or corrupted, re-train or restore it")
+    if weights.stat().st_mtime_ns >= config.stat().st_mtime_ns and file_sha256(weights) != payload.get("weights_sha256"):
+        raise MissingArtifactError(f"checkpoint {path}: {WEIGHTS_FILE} does not match the sha256 {CONFIG_FILE} "
+                                   "records; it is corrupted, re-train or restore it")
 
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> torch.nn.Module:
