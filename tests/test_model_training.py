@@ -9,7 +9,7 @@ import pytest
 from ckray.data.collections import doc_text, load_collection
 from ckray.data.examples import DevSet
 from ckray.models.checkpoint import load_model
-from ckray.train import TrainConfig, fit
+from ckray.training import TrainConfig, fit
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The shared training loop (ckray.train): Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers, with a toy
+"""The shared training loop (ckray.training): Ray Train + DeepSpeed ZeRO-2 on 2 CPU workers, with a toy
 bag-of-hashed-words ranker on synthetic triples where relevance must be *learned* (queries and their
 relevant documents use different words of the same topic, so an untrained model ranks at random)."""
 
@@ -22,8 +22,8 @@ from ckray.data.examples import DevSet
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.eval import ndcg_at_10
 from ckray.models.checkpoint import load_model
-from ckray.train import (METRIC, STATE_FILE, RankerTask, TrainConfig, add_train_args, config_from_args,
-                         fit, lr_factor, verify_checkpoint)
+from ckray.training import (METRIC, STATE_FILE, RankerTask, TrainConfig, add_train_args, config_from_args,
+                            fit, lr_factor, verify_checkpoint)
 
 # Workers unpickle the task and model classes; this test module is not importable there, so its
 # classes travel by value.
@@ -346,7 +346,7 @@ def test_lr_schedule_warms_up_then_decays_linearly():
 
 
 def test_one_worker_runs_deepspeed_without_partitioning():
-    from ckray.train import _deepspeed_config
+    from ckray.training.loop import _deepspeed_config
 
     assert _deepspeed_config(TrainConfig(zero_stage=2), world=1)["zero_optimization"]["stage"] == 0
     ds = _deepspeed_config(TrainConfig(zero_stage=2, batch_size=4, grad_accum=3, grad_clip=0.5), world=2)
@@ -409,7 +409,7 @@ def test_worker_errors_of_ours_are_surfaced_from_rays_wrappers():
     from ray.exceptions import RayTaskError
     from ray.train import WorkerGroupError
 
-    from ckray.train import _find_ckray_error
+    from ckray.training.loop import _find_ckray_error
 
     original = ConfigError("worker 1 got no full batch of 8 triples")
     wrapped = RayTaskError("train_fn", "Traceback ...", original).as_instanceof_cause()
@@ -424,3 +424,29 @@ def test_half_written_training_checkpoint_is_named(tmp_path):
     (tmp_path / STATE_FILE).write_text(json.dumps({"step": 3, "files": {"deepspeed/x.pt": 10}}))
     with pytest.raises(MissingArtifactError, match="incomplete: deepspeed/x.pt is missing"):
         verify_checkpoint(tmp_path)
+
+
+def test_a_run_directory_without_rays_record_resumes_only_when_it_holds_no_checkpoint(tmp_path):
+    """No run directory, or one of a run stopped before its first checkpoint: a fresh run, as Ray starts
+    one. A checkpoint of ours with no record of Ray's beside it: refused, naming the run."""
+    from ckray.training.checkpointing import ATTEMPTS_DIR, _check_resumable
+
+    run = tmp_path / "toy"
+    config = _config(tmp_path)
+    assert _check_resumable(str(run), config) is None
+    (run / ATTEMPTS_DIR / "fit-1").mkdir(parents=True)
+    (run / ATTEMPTS_DIR / "fit-1" / "1.json").write_text('{"start_step": 0}')
+    assert _check_resumable(str(run), config) is None
+    (run / "checkpoint_1" / "deepspeed").mkdir(parents=True)
+    with pytest.raises(MissingArtifactError, match=f"cannot resume training run {run}: .*--no-resume"):
+        _check_resumable(str(run), config)
+
+
+def test_config_and_flags_import_neither_torch_nor_ray():
+    """A job's --help and its flag errors come before torch and Ray are imported."""
+    import subprocess
+
+    code = ("import sys, ckray.training.flags, ckray.training.config, ckray.training.task; "
+            "print(sorted(m for m in ('torch', 'ray', 'numpy', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
