@@ -1,8 +1,9 @@
 """The Ray cluster: `cluster.yaml` (AWS autoscaler config) and a local autoscaling twin of it.
 
-* `load_cluster_config(path)` / `validate_cluster_config(cfg)`: read a Ray autoscaler YAML and
-  check it with Ray's own schema and validation (`ray.autoscaler._private.util`), after filling
-  in the provider's defaults exactly as `ray up` does (no cloud calls).
+* `load_cluster_config(path)` / `validate_cluster_config(cfg)`: read a Ray autoscaler YAML, check it
+  against Ray's own schema (`ray/autoscaler/ray-schema.json`) and fill in the provider's defaults
+  as `ray up` does (`ray.autoscaler.sdk.fillout_defaults`, then the node-type defaults, see
+  `prepare_cluster_config`), then check the result as Ray's autoscaler does (no cloud calls).
 * `local_fake_config(cluster_yaml)`: the same worker node types (custom resources, min/max
   workers, idle timeout) on Ray's fake multi-node provider, which starts every "node" as a set of
   Ray processes on this machine. GPUs become 0 and CPUs are scaled down; the `ckray_*` custom
@@ -61,7 +62,7 @@ _FAKE_PROVIDER: dict[str, Any] = {
 }
 
 # Top-level fields the autoscaler process reads without filling defaults in. For the AWS/GCP
-# providers `prepare_config` fills them from the provider's defaults.yaml; the fake provider's
+# providers `fillout_defaults` fills them from the provider's defaults.yaml; the fake provider's
 # defaults file (example.yaml) is not shipped in the Ray wheel, so the local config spells
 # every one of them out.
 _AUTOSCALER_FIELDS: dict[str, Any] = {
@@ -131,8 +132,8 @@ def validate_cluster_config(cfg: Mapping, *, where: str = "cluster config") -> d
     2. Multi-node-type essentials that the provider defaults would otherwise paper over:
        `provider.type`, `available_node_types`, `head_node_type` naming one of them, per-type
        `min_workers <= max_workers`.
-    3. `ray.autoscaler._private.util.prepare_config` (merge with the provider's defaults.yaml)
-       followed by Ray's `validate_config` on the result.
+    3. `prepare_cluster_config` (the provider's defaults.yaml merged in, node-type defaults filled)
+       and `_check_prepared` on the result: what Ray's autoscaler checks before it starts.
 
     Returns the prepared config (defaults filled in). Raises ConfigError naming the field.
     """
@@ -161,28 +162,65 @@ def validate_cluster_config(cfg: Mapping, *, where: str = "cluster config") -> d
             raise ConfigError(f"{where}: available_node_types.{name}: min_workers ({lo}) > "
                               f"max_workers ({hi})")
 
-    from ray.autoscaler._private.util import prepare_config
-
-    try:
-        prepared = prepare_config(cfg)
-    except NotImplementedError as e:  # unknown provider type
-        raise ConfigError(f"{where}: provider.type: {e}") from e
-    except (KeyError, ValueError, TypeError, AssertionError) as e:
-        raise ConfigError(f"{where}: Ray could not fill in the provider defaults: {e!r}") from e
-    _check_with_ray(prepared, where)
+    prepared = prepare_cluster_config(cfg, where=where)
+    _check_prepared(prepared, where)
     return prepared
 
 
-def _check_with_ray(prepared: dict, where: str) -> None:
-    import jsonschema
-    from ray.autoscaler._private.util import validate_config
+def prepare_cluster_config(cfg: Mapping, *, where: str = "cluster config") -> dict:
+    """The config with its defaults filled in, as `ray up` prepares a cloud provider's config.
 
+    `ray.autoscaler.sdk.fillout_defaults` (Ray's public SDK) merges the provider's defaults.yaml
+    under the config. The rest of what `ray up` does to such a config, done here:
+      * `setup_commands` run before `head_setup_commands` and before `worker_setup_commands`
+        (the two lists are prefixed with it);
+      * every node type gets `min_workers` (default 0) and `max_workers` (default: the global
+        `max_workers`; 0 for the head type).
+    On-premise (`local`) and KubeRay configs are prepared by Ray in other ways and are refused.
+    """
+    from ray.autoscaler.sdk import fillout_defaults
+
+    kind = cfg.get("provider", {}).get("type")
+    if kind in ("local", "kuberay"):
+        raise ConfigError(f"{where}: provider.type: {kind!r} clusters are not autoscaled cloud clusters; "
+                          "ckray's cluster config is for a cloud provider (aws, gcp, azure, ...)")
     try:
-        validate_config(prepared)
-    except jsonschema.ValidationError as e:
-        raise ConfigError(f"{where}: {_field_path(e)}: {e.message}") from e
-    except (ValueError, RuntimeError) as e:
-        raise ConfigError(f"{where}: {e}") from e
+        prepared = fillout_defaults(copy.deepcopy(dict(cfg)))
+        for role in ("head", "worker"):
+            prepared[f"{role}_setup_commands"] = (list(prepared["setup_commands"])
+                                                  + list(prepared[f"{role}_setup_commands"]))
+        for name, spec in prepared["available_node_types"].items():
+            spec.setdefault("min_workers", 0)
+            spec.setdefault("max_workers", 0 if name == prepared["head_node_type"] else prepared["max_workers"])
+    except NotImplementedError as e:  # unknown provider type
+        raise ConfigError(f"{where}: provider.type: {e}") from e
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: Ray could not fill in the provider defaults: {e!r}") from e
+    docker = prepared.get("docker") or {}
+    image = docker.get("image") or (docker.get("head_image", docker.get("image"))
+                                    and docker.get("worker_image", docker.get("image")))
+    if bool(docker.get("container_name")) != bool(image):
+        raise ConfigError(f"{where}: docker: container_name and an image (image, or head_image and "
+                          "worker_image) go together")
+    return prepared
+
+
+def _check_prepared(prepared: Mapping, where: str) -> None:
+    """What Ray's autoscaler checks on a prepared config: its schema once more, the fields the
+    provider defaults supply, the head type among the node types, and the global `max_workers`
+    covering every type's `min_workers`."""
+    _schema_check(prepared, where)
+    if "cluster_synced_files" not in prepared:
+        raise ConfigError(f"{where}: cluster_synced_files is missing after the provider defaults were "
+                          "filled in: the Ray that filled them in is older than this one")
+    node_types = prepared["available_node_types"]
+    if prepared.get("head_node_type") not in node_types:
+        raise ConfigError(f"{where}: head_node_type must be one of available_node_types "
+                          f"({', '.join(node_types)})")
+    total = sum(spec.get("min_workers", 0) for spec in node_types.values())
+    if total > prepared["max_workers"]:
+        raise ConfigError(f"{where}: max_workers: the global `max_workers` is smaller than the sum of "
+                          f"`min_workers` of all the available node types ({prepared['max_workers']} < {total})")
 
 
 # --------------------------------------------------------------------------- local twin
@@ -211,7 +249,7 @@ def local_fake_config(
       * provider -> `fake_multinode` with node updaters and the launch-config check disabled,
         node ids used as IPs (all fake nodes share one IP) and multi-node launches honoured.
         `local_autoscaling_head` adds the GCS address.
-    The result passes Ray's schema and `validate_config`.
+    The result passes Ray's schema and the checks of `validate_cluster_config`.
     """
     if isinstance(cluster_yaml, Mapping):
         source = copy.deepcopy(dict(cluster_yaml))
@@ -273,8 +311,7 @@ def local_fake_config(
         "head_node_type": FAKE_HEAD_NODE_TYPE,
         "available_node_types": node_types,
     })
-    _schema_check(cfg, "local fake config")
-    _check_with_ray(cfg, "local fake config")
+    _check_prepared(cfg, "local fake config")
     return cfg
 
 
@@ -571,7 +608,7 @@ class _HeadExited(RuntimeError):
 
 def _launch_head(config: Mapping, *, update_interval_s: int, extra_env: Mapping[str, str] | None,
                  cwd: str | os.PathLike | None) -> tuple[subprocess.Popen, LocalHead]:
-    from ray._private.services import get_node_ip_address
+    from ray.util import get_node_ip_address
 
     temp_dir = Path(tempfile.mkdtemp(prefix="ckr-", dir="/tmp"))  # short: unix socket paths
     gcs_port, dash_port, client_port, agent_http, agent_grpc, rt_env, metrics = _free_ports(7)

@@ -56,11 +56,15 @@ def test_default_path_is_the_repo_cluster_yaml():
 
 def test_cluster_yaml_passes_rays_schema_and_validation(cluster_cfg):
     prepared = validate_cluster_config(cluster_cfg, where=str(CLUSTER_YAML))
-    # prepare_config merged the AWS defaults the way `ray up` does; our commands survived it.
+    # the AWS defaults merged in the way `ray up` does; our commands survived it
     assert prepared["provider"]["type"] == "aws"
     assert prepared["head_node_type"] in prepared["available_node_types"]
-    # Ray's validate_config itself, on the prepared config, once more (no exception).
-    from ray.autoscaler._private.util import validate_config
+    assert prepared["head_setup_commands"] == cluster_cfg["setup_commands"] + cluster_cfg["head_setup_commands"]
+    assert prepared["auth"]["ssh_user"] == "ubuntu" and "head_node" not in prepared
+    # Cross-check of ckray's preparation (public API only) against Ray's own, which `ray up` runs: the
+    # same config, and Ray's validation accepts it. Only this test reaches into Ray's private module.
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    assert prepared == prepare_config(copy.deepcopy(cluster_cfg))
     validate_config(prepared)
 
 
@@ -118,12 +122,16 @@ BROKEN = {
     "min_workers above max_workers": (
         lambda c: c["available_node_types"]["ray.worker.infer_gpu"].update(min_workers=9),
         "ray.worker.infer_gpu: min_workers (9) > max_workers (8)"),
-    "global max_workers below the sum of min_workers": (  # Ray's validate_config
+    "global max_workers below the sum of min_workers": (  # checked as Ray's autoscaler checks it
         lambda c: (c["available_node_types"]["ray.worker.train_gpu"].update(min_workers=3),
                    c.update(max_workers=2)),
         "max_workers` is smaller than the sum of `min_workers`"),
     "unknown provider type": (lambda c: c["provider"].update(type="ec2"),
                               "Unsupported node provider: ec2"),
+    "an on-premise provider": (lambda c: c["provider"].update(type="local"),
+                               "provider.type: 'local' clusters are not autoscaled cloud clusters"),
+    "a docker image without a container name": (lambda c: c["docker"].pop("container_name"),
+                                                "docker: container_name and an image"),
 }
 
 
@@ -177,7 +185,7 @@ def test_local_fake_config_keeps_the_worker_types(cluster_cfg):
     assert head["max_workers"] == 0 and TRAIN_RESOURCE not in head["resources"]
 
     from ray.autoscaler._private.util import validate_config
-    validate_config(local)  # Ray's own check on the local config too
+    validate_config(local)  # cross-check: Ray's own validation (private; tests only) accepts it too
 
 
 def test_local_fake_config_overrides(cluster_cfg):
@@ -264,7 +272,8 @@ def test_training_workers_ask_for_the_training_node_resource(monkeypatch, tmp_pa
 
     import ray.train.torch
 
-    from ckray.train import TrainConfig, _run_trainer, add_train_args, config_from_args
+    from ckray.training import TrainConfig, add_train_args, config_from_args
+    from ckray.training.loop import _run_trainer
 
     parser = add_train_args(argparse.ArgumentParser())
     for flag in (f"{TRAIN_RESOURCE}=1", f'{{"{TRAIN_RESOURCE}": 1}}'):
