@@ -189,7 +189,8 @@ def reranker_missing(name: str, workdir: str | os.PathLike) -> str | None:
 def deployment_options(kind: str, name: str, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Options of deployment ``name``: ``DEFAULT_OPTIONS[kind]``, then ``overrides[kind]`` (every
     deployment of that kind), then ``overrides[name]``. ``ray_actor_options`` and
-    ``autoscaling_config`` merge key by key; ``num_replicas`` replaces autoscaling."""
+    ``autoscaling_config`` merge key by key; ``num_replicas`` replaces autoscaling. Registered plug-in
+    rankers reach the replicas as ``$CKRAY_RANKERS`` in their runtime environment."""
     opts = copy.deepcopy(DEFAULT_OPTIONS[kind])
     for layer in (overrides.get(kind, {}), overrides.get(name, {})):
         for key, value in copy.deepcopy(layer).items():
@@ -201,6 +202,9 @@ def deployment_options(kind: str, name: str, overrides: dict[str, dict[str, Any]
                 opts.pop("autoscaling_config", None)
             elif key == "autoscaling_config":
                 opts.pop("num_replicas", None)
+    if plugins := registry.plugin_modules():  # the replicas register the plug-in rankers this process has
+        env = opts.setdefault("ray_actor_options", {}).setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env[registry.PLUGINS_ENV] = ",".join(plugins)
     return opts
 
 

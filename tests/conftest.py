@@ -18,6 +18,9 @@ SCIFACT = SHARED / "data" / "scifact"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the plug-in packages of the tests (toy_ranker) importable in every process: Ray workers and Serve
+# replicas inherit this environment from the Ray this process starts
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,7 @@ class TrainingStage:
 
     module: str
     options: Ref                          # the options dataclass, e.g. "ckray.rankers.ck_qti.options:CKQTIOptions"
-    job: str                              # its command-line job, e.g. jobs/train_ck.py
+    job: str                              # its command-line job, e.g. jobs/train_ck.py ("" for none)
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def add_args(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -113,6 +113,7 @@ class RankerSpec:
 
     name: str
     title: str
+    module: str | None = None             # a plug-in's importable module that registers it (Serve replicas import it)
     training: TrainingStage | None = None
     index: IndexStage | None = None
     first_stages: Mapping[str, FirstStage] = field(default_factory=dict)
@@ -153,6 +154,20 @@ def _add(spec: RankerSpec) -> None:
         if clash := names & taken[kind]:
             raise ConfigError(f"ranker {spec.name!r}: {kind} {', '.join(sorted(clash))} is already registered")
     _REGISTRY[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    """Remove the plug-in ranker ``name`` (a built-in one cannot be removed)."""
+    _load()
+    if name == BM25.name or spec(name).module is None:
+        raise ConfigError(f"ranker {name!r} is built in; only a plug-in can be unregistered")
+    del _REGISTRY[name]
+
+
+def plugin_modules() -> list[str]:
+    """The modules of the registered plug-ins: what ``$CKRAY_RANKERS`` must name for another process
+    (a Serve replica) to know them."""
+    return [s.module for s in specs().values() if s.module]
 
 
 _loaded = False
