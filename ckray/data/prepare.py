@@ -4,7 +4,9 @@
 The corpus file is cut into ``num_shards`` byte ranges on line boundaries (line numbers kept, so a
 malformed line is reported as ``file:line``). Ray Data runs one task per range; each parses and
 validates its lines and writes its shard atomically with a done-marker. A re-run with unchanged
-input does nothing; a re-run after a crash redoes only shards without a valid marker.
+input does nothing; a re-run after a crash redoes only shards without a valid marker. The manifest
+is withdrawn before any shard is (re)written and written again only when every shard is, so shards
+left half-rewritten by a crash or a full disk never count as a prepared corpus.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ckray import __version__
 from ckray.data.collections import corpus_file, corpus_table, parse_corpus_lines
 from ckray.data.shards import (MANIFEST, file_sha256, is_done, mark_done, read_json, shard_name,
                                shards_dir, write_json_atomic, write_parquet_atomic)
-from ckray.errors import CollectionError, ConfigError, DuplicateDocumentError
+from ckray.errors import CkrayError, CollectionError, ConfigError, DuplicateDocumentError
 
 if TYPE_CHECKING:
     from ckray.data.collections import Collection
@@ -85,15 +87,28 @@ def split_file(path: Path, n: int) -> list[tuple[int, int, int]]:
 
 
 def write_piece(piece: dict) -> dict:
-    """Parse one byte range and write its shard (runs as a Ray Data task)."""
+    """Parse one byte range and write its shard (runs as a Ray Data task). A CkrayError (a malformed
+    line, a failed write) comes back as the row's ``error`` and ``error_type``, which Ray does not
+    carry across processes when raised; :func:`raise_piece_errors` raises it in the driver."""
     p = Piece(**piece)
-    with open(p.path, "rb") as f:
-        f.seek(p.start)
-        lines = f.read(p.end - p.start).decode("utf-8").splitlines()
-    table = corpus_table(parse_corpus_lines(p.fmt, Path(p.path), lines, p.first_line), Path(p.path))
-    write_parquet_atomic(table, p.out)
-    mark_done(p.out, {"input_sha256": p.input_sha256, "start": p.start, "end": p.end})
-    return {"index": p.index, "rows": table.num_rows}
+    try:
+        with open(p.path, "rb") as f:
+            f.seek(p.start)
+            lines = f.read(p.end - p.start).decode("utf-8").splitlines()
+        table = corpus_table(parse_corpus_lines(p.fmt, Path(p.path), lines, p.first_line), Path(p.path))
+        write_parquet_atomic(table, p.out)
+        mark_done(p.out, {"input_sha256": p.input_sha256, "start": p.start, "end": p.end})
+    except CkrayError as e:
+        return {"index": p.index, "rows": 0, "error": str(e), "error_type": type(e).__name__}
+    return {"index": p.index, "rows": table.num_rows, "error": "", "error_type": ""}
+
+
+def raise_piece_errors(results: list[dict]) -> None:
+    """Raise the first shard's error :func:`write_piece` reported (as a CollectionError when it was
+    one, else a CkrayError)."""
+    for r in sorted(results, key=lambda r: r["index"]):
+        if r["error"]:
+            raise (CollectionError if r["error_type"] == CollectionError.__name__ else CkrayError)(r["error"])
 
 
 def prepare_shards(config: PrepareConfig) -> dict:
@@ -117,10 +132,11 @@ def prepare_shards(config: PrepareConfig) -> dict:
     log.info("%d of %d shard(s) to write (%d already done)", len(todo), len(pieces), len(pieces) - len(todo))
     t0 = time.time()
     if todo:
+        manifest_path.unlink(missing_ok=True)  # not a prepared corpus until every shard is written
         init_ray()
         import ray.data
 
-        ray.data.from_items([asdict(p) for p in todo]).map(write_piece).take_all()
+        raise_piece_errors(ray.data.from_items([asdict(p) for p in todo]).map(write_piece).take_all())
     for stale in sorted(out_dir.glob("part-*.parquet")):
         if stale.name not in {Path(p.out).name for p in pieces}:
             stale.unlink()

@@ -79,3 +79,24 @@ def same_files(a: Path, b: Path, pattern: str, exclude: tuple[str, ...] = ()) ->
 
 def same_tables(a: Path, b: Path) -> None:
     assert pq.read_table(a).equals(pq.read_table(b)), (a, b)
+
+
+def prepare_args(data: Path, w: Path) -> list[str]:
+    """jobs/prepare.py on a small collection: 3 shards, BM25 negatives of depth 50."""
+    return ["jobs/prepare.py", "--data", str(data), "--workdir", str(w), "--shards", "3", "--negative-depth", "50",
+            "--threads", "1"]
+
+
+def evaluate_args(data: Path, w: Path) -> list[str]:
+    """jobs/evaluate.py: BM25 on the test split."""
+    return ["jobs/evaluate.py", "--data", str(data), "--workdir", str(w), "--pipeline", "bm25", "--split", "test",
+            "--k", "100"]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Overwrite one byte of ``path`` in place (same size), as a bad disk or a stray write would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -9,17 +9,9 @@ import pytest
 
 from ckray.data.shards import file_sha256, is_done, mark_done, marker_path, read_json, write_parquet_atomic
 from ckray.errors import MissingArtifactError
+from faultkit import flip_byte
 
 META = {"input_sha256": "abc"}
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    """Overwrite one byte of ``path`` in place (same size), as a bad disk or a stray write would."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 @pytest.fixture

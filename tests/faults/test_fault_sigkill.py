@@ -9,30 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from faultkit import assert_ok, kill_job_at, run_job, same_files, same_tables
+from faultkit import assert_ok, evaluate_args, kill_job_at, prepare_args, run_job, same_files, same_tables
 
 pytestmark = pytest.mark.slow
 
 SEED = 25
-
-
-def prepare_args(data: Path, w: Path) -> list[str]:
-    return ["jobs/prepare.py", "--data", str(data), "--workdir", str(w), "--shards", "3", "--negative-depth", "50",
-            "--threads", "1"]
-
-
-def evaluate_args(data: Path, w: Path) -> list[str]:
-    return ["jobs/evaluate.py", "--data", str(data), "--workdir", str(w), "--pipeline", "bm25", "--split", "test",
-            "--k", "100"]
-
-
-@pytest.fixture(scope="module")
-def reference(sample_data, tmp_path_factory) -> Path:
-    """prepare then evaluate, undisturbed."""
-    w = tmp_path_factory.mktemp("reference") / "w"
-    assert_ok(run_job(prepare_args(sample_data, w)))
-    assert_ok(run_job(evaluate_args(sample_data, w)))
-    return w
 
 
 @pytest.fixture(scope="module")
