@@ -9,7 +9,7 @@ exactly the same code with a namespace parsed from a few flags (``parse_stage_ar
     result = run_stage("train:cedr-knrm", args)       # == python jobs/train_cedr.py --data D ...
 
 Every stage skips finished work: a training run already at ``--max-steps`` is not started again
-(``ckray.train.fit``), finished impact / embedding shards and an up-to-date index are kept.
+(``ckray.training.fit``), finished impact / embedding shards and an up-to-date index are kept.
 """
 
 from __future__ import annotations

@@ -208,11 +208,11 @@ def test_layer_truncation_of_pretrained_minilm_keeps_its_first_layers():
 
 
 def test_cedr_task_plugs_into_the_shared_loop_interface():
-    pytest.importorskip("ckray.train")
+    pytest.importorskip("ckray.training")
     import pickle
 
     from ckray.rankers.cedr.task import CEDRTask
-    from ckray.train import RankerTask
+    from ckray.training import RankerTask
 
     cfg = CEDRConfig(variant="drmm", random_init=TINY, max_length=32, max_query_len=8)
     task = pickle.loads(pickle.dumps(CEDRTask(cfg)))  # sent to every Ray Train worker

@@ -23,7 +23,7 @@ from torch import nn
 
 from ckray.options import option
 from ckray.rankers import RankerSpec, TrainingStage, register
-from ckray.train import RankerTask
+from ckray.training import RankerTask
 
 WORD = re.compile(r"\w+")
 

@@ -33,7 +33,7 @@ the softmax cross-entropy over the pair's two scores (``loss="softmax"``) or a m
 (``CEDRRanker.collate_pairs``). Section 3.1 trains the encoder with a smaller learning rate than
 the ranker head: see ``CEDRRanker.param_groups``.
 
-Training on the shared loop: ``CEDRTask`` is the ``ckray.train.RankerTask`` for ``ckray.train.fit``
+Training on the shared loop: ``CEDRTask`` is the ``ckray.training.RankerTask`` for ``ckray.training.fit``
 (collate = ``collate_pairs`` on the triples' ``query, pos_text, neg_text``; loss = the pairwise loss;
 score = ``score_texts``; the two learning rates through ``CEDRTask.param_groups``: the encoder at
 the job's ``--lr``, the head ``head_lr_multiplier`` times faster).

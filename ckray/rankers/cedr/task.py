@@ -1,4 +1,4 @@
-"""The CEDR ranker's training task: how the model plugs into the shared training loop (:mod:`ckray.train`)."""
+"""The CEDR ranker's training task: how the model plugs into the shared training loop (:mod:`ckray.training`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 
 from ckray.models.encoders import load_tokenizer
 from ckray.rankers.cedr.model import Batch, CEDRConfig, CEDRRanker, collate_pairs
-from ckray.train import RankerTask
+from ckray.training import RankerTask
 
 
 @dataclass
 class CEDRTask(RankerTask):
-    """CEDR for :func:`ckray.train.fit`: pairwise loss on (query, relevant, BM25 negative) triples;
+    """CEDR for :func:`ckray.training.fit`: pairwise loss on (query, relevant, BM25 negative) triples;
     dev validation reranks BM25 candidates with the model alone."""
 
     model_config: CEDRConfig = field(default_factory=CEDRConfig)

@@ -1,4 +1,4 @@
-"""RankerTasks: how each model plugs into the shared training loop (:mod:`ckray.train`).
+"""RankerTasks: how each model plugs into the shared training loop (:mod:`ckray.training`).
 
 Tasks stay light (configs and small tensors) because they are pickled to every worker.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ckray.rankers.ck_qti.impact import ImpactConfig
-from ckray.train import RankerTask
+from ckray.training import RankerTask
 
 
 @dataclass
@@ -113,7 +113,7 @@ class CKTask(RankerTask):
         ``head_lr_multiplier × lr``. None (one rate for all) when the multiplier is 1."""
         if self.head_lr_multiplier == 1.0:
             return None
-        from ckray.train import weight_decay_groups
+        from ckray.training import weight_decay_groups
 
         embeddings = model.encoder.embed.weight
         rest = [p for p in model.parameters() if p is not embeddings]

@@ -1,4 +1,4 @@
-"""The CLEAR ranker's training task: how the model plugs into the shared training loop (:mod:`ckray.train`)."""
+"""The CLEAR ranker's training task: how the model plugs into the shared training loop (:mod:`ckray.training`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 
 from ckray.rankers.clear.model import CLEAR, CLEARConfig, CLEARLossConfig, clear_collate, clear_loss
 from ckray.models.encoders import load_tokenizer
-from ckray.train import RankerTask
+from ckray.training import RankerTask
 
 
 @dataclass
 class CLEARTask(RankerTask):
-    """CLEAR for :func:`ckray.train.fit`: residual-margin hinge on (query, d+, BM25 d−) triples.
+    """CLEAR for :func:`ckray.training.fit`: residual-margin hinge on (query, d+, BM25 d−) triples.
 
     Dev validation reranks BM25 candidates with the hybrid score of Eq. 8,
     ``dev_lambda · s_lex + s_emb`` (``dev_lambda`` None: ``lambda_train``), so the checkpoint kept is

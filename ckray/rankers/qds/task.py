@@ -1,4 +1,4 @@
-"""The QDS-Transformer's training task: how the model plugs into the shared training loop (:mod:`ckray.train`)."""
+"""The QDS-Transformer's training task: how the model plugs into the shared training loop (:mod:`ckray.training`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 
 from ckray.models.encoders import load_tokenizer
 from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, triple_loss
-from ckray.train import RankerTask
+from ckray.training import RankerTask
 
 
 @dataclass
 class QDSTask(RankerTask):
-    """QDS-Transformer for :func:`ckray.train.fit`: pairwise loss on (query, d+, BM25 d−) triples."""
+    """QDS-Transformer for :func:`ckray.training.fit`: pairwise loss on (query, d+, BM25 d−) triples."""
 
     model_config: QDSConfig = field(default_factory=QDSConfig)
     loss_kind: str = "softmax"
@@ -37,7 +37,7 @@ class QDSTask(RankerTask):
 
     def param_groups(self, model: QDSTransformer, lr: float, weight_decay: float) -> list[dict]:
         """The encoder at ``lr``, the score head ``head_lr_multiplier`` times faster."""
-        from ckray.train import weight_decay_groups
+        from ckray.training import weight_decay_groups
 
         head = {id(p) for p in model.score.parameters()}
         return (weight_decay_groups([p for p in model.parameters() if id(p) not in head], weight_decay)
