@@ -499,3 +499,21 @@ def test_checkpoint_digest_follows_the_model_not_the_training_summary(tmp_path):
         checkpoint_digest(path)
     with pytest.raises(MissingArtifactError, match="no checkpoint at .*nowhere"):
         checkpoint_digest(tmp_path / "nowhere")
+
+
+def test_a_checkpoint_recording_the_models_old_module_still_loads(tmp_path):
+    """config.json of a checkpoint saved before the rankers moved names ckray.models.ck: it loads as
+    the same model (ckray.models.checkpoint.MOVED_MODULES), with the saved config and weights."""
+    import json
+
+    torch.manual_seed(0)
+    model = CKModel(small_config()).eval()
+    path = save_model(model, tmp_path / "ck-qti")
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_class"] == "ckray.rankers.ck_qti.model.CKModel"
+    config.update(model_class="ckray.models.ck.CKModel", config_class="ckray.models.ck.CKConfig")
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(path)
+    assert type(loaded) is CKModel and loaded.config == model.config
+    state = model.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items()) and len(state) > 10
