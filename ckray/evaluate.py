@@ -90,6 +90,15 @@ def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], q
     return tuned
 
 
+def first_stage_options(first: str, n_queries: int) -> dict:
+    """The first stage's options for ``n_queries`` queries: from ``POOL_MIN_QUERIES`` queries on, BM25
+    searches on a pool of Ray actors, as many as the cluster's CPUs hold (``ckray.lexical.pool``; the
+    run equals one searcher's); other first stages and fewer queries search in this process."""
+    from ckray.lexical.pool import POOL_MIN_QUERIES
+
+    return {"actors": None} if first == "bm25" and n_queries >= POOL_MIN_QUERIES else {}
+
+
 def write_results(config: EvaluateConfig, name: str, run, qrels: dict) -> dict[str, float]:
     """Evaluate one pipeline's run on ``config.split`` and write its run file, metrics and per-query metrics."""
     metrics = evaluate(run, qrels, config.measures)
@@ -124,7 +133,8 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
         t0 = time.time()
         if is_interpolated(name):
             ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
-        pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth)
+        pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth,
+                              retriever_options=first_stage_options(first, len(split_q)))
         run = pipe.run(split_q, k=config.k)
         wall = time.time() - t0
         metrics = write_results(config, name, run, qrels[config.split])
@@ -151,7 +161,8 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
     split_q = {q: queries[q] for q in qrels[config.split] if q in queries}  # checked by evaluate_pipelines
     t0 = time.time()
     tuned = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
-    pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth)
+    pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth,
+                          retriever_options=first_stage_options(first, len(split_q)))
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
     reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
     runs = {out_plain: reranked, out_plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}

@@ -6,6 +6,7 @@ analysed by Lucene's default English analyser. Default parameters k1=0.9, b=0.4 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from ckray.data.collections import doc_text
 from ckray.data.shards import file_sha256, read_json, read_manifest, shard_paths, write_json_atomic
 from ckray.errors import MissingArtifactError
 from ckray.lexical.anserini import run_anserini
+from ckray.lexical.pool import PooledRetriever
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,12 @@ class BM25Searcher:
         return int(self._searcher.num_docs)
 
 
-def bm25_retriever(workdir: str | os.PathLike, k1: float = 0.9, b: float = 0.4, threads: int = 2) -> BM25Searcher:
-    """Pipeline factory for ``bm25``."""
+def bm25_retriever(workdir: str | os.PathLike, k1: float = 0.9, b: float = 0.4, threads: int = 2,
+                   actors: int | None = 0) -> BM25Searcher | PooledRetriever:
+    """Pipeline factory for ``bm25``: a searcher in this process (``actors=0``), or one that searches on
+    a pool of Ray actors, each its own searcher with ``threads`` threads: ``actors`` of them, or with
+    None as many as the cluster's CPUs hold (:mod:`ckray.lexical.pool`)."""
+    if actors is None or actors > 0:
+        factory = functools.partial(bm25_retriever, str(Path(workdir).resolve()), k1=k1, b=b, threads=threads)
+        return PooledRetriever(factory, actors=actors, cpus_per_actor=threads)
     return BM25Searcher(str(bm25_index_dir(workdir)), k1=k1, b=b, threads=threads)
