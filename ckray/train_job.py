@@ -82,8 +82,9 @@ def training_config(args: argparse.Namespace, name: str, **train_defaults: Any) 
 
 
 def training_data(args: argparse.Namespace) -> TrainingData:
-    """The training triples and dev set of a training job's flags; prepares the collection (shards,
-    BM25, negatives) where the work directory lacks it."""
+    """The training triples (a Ray Dataset that streams, see :mod:`ckray.data.examples`) and dev set of
+    a training job's flags; prepares the collection (shards, BM25, negatives) where the work directory
+    lacks it. ``--max-triples N`` keeps the first N triples of the seeded shuffle."""
     from ckray.data.collections import read_queries_and_qrels
     from ckray.data.prepare import prepare_collection
     from ckray.errors import ConfigError
@@ -94,12 +95,10 @@ def training_data(args: argparse.Namespace) -> TrainingData:
         raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")
     prepare_collection(args.data, args.workdir, split=args.data_split)  # idempotent: works on a fresh workdir
     td = build_training_data(args.workdir, queries, qrels[args.data_split], config)
-    if td.triples.num_rows == 0:
+    if td.num_triples == 0:
         raise ConfigError(f"{args.data}: no training triples from split {args.data_split!r} — no non-dev query "
                           f"has a judged positive in the corpus and a BM25 candidate to contrast it with")
-    if args.max_triples and td.triples.num_rows > args.max_triples:
-        td = dataclasses.replace(td, triples=td.triples.slice(0, args.max_triples))
-    return td
+    return td.limited(args.max_triples) if args.max_triples else td
 
 
 def run_training(task: RankerTask, args: argparse.Namespace, config: TrainConfig,
@@ -116,7 +115,7 @@ def run_training(task: RankerTask, args: argparse.Namespace, config: TrainConfig
     summary = {
         "name": name, "best_dev_ndcg@10": result.best_metric, "best_step": result.best_step,
         "steps": result.steps, "examples_seen": result.examples_seen, "wall_time_s": result.wall_time,
-        "train_triples": td.triples.num_rows, "weak_triples": td.weak_triples,
+        "train_triples": td.num_triples, "weak_triples": td.weak_triples,
         "train_queries": len(td.train_queries), "dev_queries": len(td.dev),
         "dev_scoring": getattr(task, "dev_scoring", "model"), "train_top_k": getattr(task, "train_top_k", 0),
         "config": dataclasses.asdict(config), "data_config": dataclasses.asdict(td.config), "history": result.history,

@@ -1,5 +1,6 @@
 """BM25 through Pyserini: index from shards, batch search = one-at-a-time search, negatives, SciFact figure."""
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -44,6 +45,65 @@ def test_missing_index_is_a_clear_error(tmp_path):
         BM25Searcher(str(tmp_path / "nope"))
 
 
+def test_a_pool_of_searchers_returns_one_searchers_run(sample_workdir):
+    from functools import partial
+
+    from ckray.lexical.bm25 import bm25_retriever
+    from ckray.lexical.pool import search_many
+
+    data, w = sample_workdir
+    queries = load_collection(data).split_queries("train")
+    one = BM25Searcher(str(bm25_index_dir(w))).search(queries, k=30)
+    many = search_many(partial(bm25_retriever, w), queries, k=30, actors=2, chunk=7)
+    assert list(many) == list(queries) and many == one  # the same documents, scores and order
+    assert bm25_retriever(w, actors=2).search(queries, k=30) == one
+
+
+def test_negatives_searched_on_a_pool_are_one_searchers_sorted_by_query(sample_workdir, monkeypatch):
+    from ckray.data.examples import positives_path
+    from ckray.lexical import pool
+
+    data, w = sample_workdir
+    c = load_collection(data)
+    queries = c.split_queries("train")
+    monkeypatch.setattr(pool, "CHUNK_QUERIES", 9)
+    build_negatives(w, queries, c.qrels["train"], split="pooled", depth=50, actors=2)
+    neg = pq.read_table(negatives_path(w, "pooled"))
+    assert pq.ParquetFile(negatives_path(w, "pooled")).metadata.num_row_groups == -(-len(queries) // 9)  # streamed
+    rows = neg.to_pylist()
+    assert [(r["query_id"], r["rank"]) for r in rows] == sorted((r["query_id"], r["rank"]) for r in rows)
+    searcher = BM25Searcher(str(bm25_index_dir(w)))
+    one = searcher.search(queries, k=50)
+    got: dict = {}
+    for r in rows:
+        got.setdefault(r["query_id"], []).append((r["doc_id"], r["score"]))
+    assert got == {q: [(d, float(np.float32(s))) for d, s in docs] for q, docs in one.items() if docs}
+    for r in pq.read_table(positives_path(w, "pooled")).to_pylist():
+        assert c.qrels["train"][r["query_id"]][r["doc_id"]] > 0
+        in_run = dict(one[r["query_id"]]).get(r["doc_id"])  # else scored alone (outside the top 50)
+        want = in_run if in_run is not None else searcher.score(queries[r["query_id"]], r["doc_id"])
+        assert r["score"] == float(np.float32(want))
+
+
+def test_evaluating_many_queries_searches_bm25_on_a_pool(sample_workdir, monkeypatch):
+    from ckray.data.collections import read_trec_run
+    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, first_stage_options, run_path
+    from ckray.lexical import pool
+    from ckray.pipelines import build_pipeline
+
+    data, w = sample_workdir
+    config = EvaluateConfig(data=str(data), workdir=str(w), split="test", k=100)
+    alone = evaluate_pipelines(config)
+    run_alone = read_trec_run(run_path(w, "bm25", "test"))
+    assert first_stage_options("bm25", pool.POOL_MIN_QUERIES - 1) == {}
+    monkeypatch.setattr(pool, "POOL_MIN_QUERIES", 10)
+    assert first_stage_options("bm25", 10) == {"actors": None} and first_stage_options("ck-qti", 10 ** 6) == {}
+    assert isinstance(build_pipeline("bm25", w, retriever_options=first_stage_options("bm25", 10)).retriever,
+                      pool.PooledRetriever)
+    assert evaluate_pipelines(config) == alone
+    assert read_trec_run(run_path(w, "bm25", "test")) == run_alone
+
+
 def test_negatives_and_training_data(sample_workdir):
     data, w = sample_workdir
     c = load_collection(data)
@@ -52,8 +112,8 @@ def test_negatives_and_training_data(sample_workdir):
     assert set(neg["query_id"]) <= set(c.qrels["train"])
     assert max(neg["rank"]) <= 50
     td = build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3))
-    rows = td.triples.to_pydict()
-    assert td.triples.num_rows > 0
+    rows = td.head(td.num_triples).to_pydict()
+    assert td.num_triples > 0 and len(rows["query_id"]) == td.num_triples
     assert not set(rows["query_id"]) & set(td.dev.queries), "dev queries must not be trained on"
     assert not set(rows["query_id"]) & set(c.qrels["test"]), "test queries must never be trained on"
     for q, p, n in zip(rows["query_id"], rows["pos_id"], rows["neg_id"]):
@@ -68,7 +128,7 @@ def test_negatives_and_training_data(sample_workdir):
                                  TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, max_dev_queries=1))
     held_out, _ = dev_queries(c.queries, c.qrels, dev_fraction=0.25)
     assert len(capped.dev) == 1 and len(held_out) > 1
-    assert not set(capped.triples.to_pydict()["query_id"]) & set(held_out)
+    assert not set(capped.head(capped.num_triples).to_pydict()["query_id"]) & set(held_out)
     assert set(capped.train_queries) == set(td.train_queries)
 
 
@@ -83,17 +143,17 @@ def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(s
     plain = build_training_data(w, c.queries, c.qrels["train"], base_cfg)
     weak = build_training_data(w, c.queries, c.qrels["train"],
                                TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, weak_titles=5, weak_depth=20))
-    rows = weak.triples.to_pydict()
-    is_weak = [q.startswith(TITLE_QUERY_PREFIX) for q in rows["query_id"]]
+    weak_rows, plain_rows = weak.head(weak.num_triples).to_pylist(), plain.head(plain.num_triples).to_pylist()
+    is_weak = [r["query_id"].startswith(TITLE_QUERY_PREFIX) for r in weak_rows]
     assert weak.weak_triples == sum(is_weak) and 0 < weak.weak_triples <= 5 * 3
-    assert weak.triples.num_rows == plain.triples.num_rows + weak.weak_triples
+    assert weak.num_triples == len(weak_rows) == plain.num_triples + weak.weak_triples
     # the supervised triples are the same ones, and the dev set is untouched
     key = lambda r: (r["query_id"], r["pos_id"], r["neg_id"])  # noqa: E731
-    assert sorted(key(r) for r in weak.triples.to_pylist() if not r["query_id"].startswith(TITLE_QUERY_PREFIX)) == \
-        sorted(key(r) for r in plain.triples.to_pylist())
+    assert sorted(key(r) for r in weak_rows if not r["query_id"].startswith(TITLE_QUERY_PREFIX)) == \
+        sorted(key(r) for r in plain_rows)
     assert weak.dev.queries == plain.dev.queries
     store = DocStore(w)
-    for r in weak.triples.to_pylist():
+    for r in weak_rows:
         if not r["query_id"].startswith(TITLE_QUERY_PREFIX):
             continue
         source = r["query_id"][len(TITLE_QUERY_PREFIX):]
@@ -101,18 +161,18 @@ def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(s
         assert r["query"] == title and r["pos_id"] == source and r["pos_text"] == body  # the body, not the title
         assert r["neg_id"] != source and r["neg_text"] == store.get(r["neg_id"])[1]
         assert r["pos_bm25"] > 0
-    assert len({q for q, wk in zip(rows["query_id"], is_weak) if wk}) == 5
+    assert len({r["query_id"] for r, wk in zip(weak_rows, is_weak) if wk}) == 5
 
 
 def test_hard_negatives_from_a_mined_run_replace_part_of_the_bm25_ones(sample_workdir, tmp_path):
-    from ckray.data.examples import _read_negatives
+    from ckray.data.examples import read_negatives
     from ckray.errors import ConfigError
     from ckray.data.collections import write_trec_run
 
     data, w = sample_workdir
     c = load_collection(data)
     build_negatives(w, c.split_queries("train"), c.qrels["train"], depth=50)
-    bm25, _ = _read_negatives(w, "train")
+    bm25 = read_negatives(w, "train", sorted(c.qrels["train"]))
     # a "model" that ranks BM25's list backwards: its top 5 are BM25's ranks 46-50, never BM25's favourites
     mined = {q: [(d, float(i)) for i, (d, _) in enumerate(docs)] for q, docs in bm25.items()}
     run_file = tmp_path / "mined-train.trec"
@@ -121,9 +181,10 @@ def test_hard_negatives_from_a_mined_run_replace_part_of_the_bm25_ones(sample_wo
     plain = build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(**cfg))
     hard = build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(
         **cfg, hard_negative_run=str(run_file), hard_negatives_per_positive=2, hard_negative_depth=5))
-    assert hard.triples.num_rows == plain.triples.num_rows and hard.dev.queries == plain.dev.queries
+    hard_rows, plain_rows = hard.head(hard.num_triples).to_pylist(), plain.head(plain.num_triples).to_pylist()
+    assert hard.num_triples == plain.num_triples and hard.dev.queries == plain.dev.queries
     per_positive: dict = {}
-    for r in hard.triples.to_pylist():
+    for r in hard_rows:
         per_positive.setdefault((r["query_id"], r["pos_id"]), []).append(r["neg_id"])
         assert r["neg_bm25"] == pytest.approx(dict(bm25[r["query_id"]])[r["neg_id"]])  # CLEAR's s_lex(d−)
     def mined_top5(q):
@@ -134,7 +195,7 @@ def test_hard_negatives_from_a_mined_run_replace_part_of_the_bm25_ones(sample_wo
         assert len(set(negs)) == len(negs) == 3
         assert sum(d in mined_top5(q) for d in negs) >= min(2, len(mined_top5(q))), (q, negs)
         wanted, hits = wanted + min(2, len(mined_top5(q))), hits + sum(d in mined_top5(q) for d in negs)
-    plain_hits = sum(r["neg_id"] in mined_top5(r["query_id"]) for r in plain.triples.to_pylist())
+    plain_hits = sum(r["neg_id"] in mined_top5(r["query_id"]) for r in plain_rows)
     assert hits >= wanted > plain_hits  # BM25 sampling alone rarely picks those 5 of 50
     with pytest.raises(MissingArtifactError, match="--hard-negative-run .*nope.trec.*--split train"):
         build_training_data(w, c.queries, c.qrels["train"],

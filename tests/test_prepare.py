@@ -61,8 +61,9 @@ def test_prepare_collection_keeps_the_shard_count_and_runs_the_steps_asked_for(r
     got = prepare_collection(sample, w)  # the training split's negatives
     assert got.negatives == negatives_path(w, "train") and got.negatives.exists() and got.did_work
     assert not prepare_collection(sample, w).did_work  # everything up to date
-    assert set(pq.read_table(got.negatives, columns=["query_id"]).column(0).to_pylist()) \
-        <= set(load_collection(sample).qrels["train"])
+    qids = pq.read_table(got.negatives, columns=["query_id"]).column(0).to_pylist()
+    assert set(qids) <= set(load_collection(sample).qrels["train"])
+    assert qids == sorted(qids)  # by query id: a reader of a range of queries reads only their row groups
 
 
 def test_half_written_shard_is_redone_finished_ones_are_not(ray_session, sample, tmp_path):
