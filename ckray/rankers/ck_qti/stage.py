@@ -36,7 +36,7 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     corpus = load_corpus_table(args.workdir)
     stats = corpus_statistics((doc_text(t, x) for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())),
                               config)
-    sample = td.triples.slice(0, EXPLICIT_STATS_TRIPLES).to_pydict()  # the triples are shuffled
+    sample = td.head(EXPLICIT_STATS_TRIPLES).to_pydict()  # the first triples of the seeded shuffle
     mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config)
     log.info("explicit match starts as BM25(k1=%.2f, b=%.2f) under E[TF]=%.2f, E[|d|]=%.0f (avgdl %.0f)",
              config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
