@@ -517,3 +517,19 @@ def test_a_checkpoint_recording_the_models_old_module_still_loads(tmp_path):
     assert type(loaded) is CKModel and loaded.config == model.config
     state = model.state_dict()
     assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items()) and len(state) > 10
+
+
+def test_init_from_accepts_a_checkpoint_recording_the_models_old_module(tmp_path):
+    """--init-from a checkpoint saved before the rankers moved: the same class, so its weights are taken."""
+    import json
+
+    from ckray.training.checkpointing import _initial_weights
+
+    torch.manual_seed(0)
+    model = CKModel(small_config()).eval()
+    path = save_model(model, tmp_path / "ck-qti")
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_class="ckray.models.ck.CKModel", config_class="ckray.models.ck.CKConfig")
+    (path / "config.json").write_text(json.dumps(config))
+    weights = _initial_weights(None, str(path), model=CKModel(small_config()))
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items() if k in weights)

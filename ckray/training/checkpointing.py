@@ -162,11 +162,11 @@ def _checkpoint_weights(checkpoint_dir: Path, zero_stage: int) -> dict[str, torc
 def _initial_weights(task: RankerTask, path: str, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The weights of the saved checkpoint at ``path`` (``--init-from``), checked against ``task``'s
     model: same class, every tensor present with the same shape. Errors name the checkpoint."""
-    from ckray.models.checkpoint import class_path, read_checkpoint
+    from ckray.models.checkpoint import class_path, current_class_path, read_checkpoint
 
     model = model if model is not None else task.build_model()
     payload, weights = read_checkpoint(path)  # MissingArtifactError naming the path
-    if payload.get("model_class") != class_path(model):
+    if current_class_path(str(payload.get("model_class"))) != class_path(model):  # a moved model module is the same class
         raise ConfigError(f"--init-from {path}: it holds a {payload.get('model_class')}, "
                           f"this job trains a {class_path(model)}")
     own = model.state_dict()
