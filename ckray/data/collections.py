@@ -192,35 +192,43 @@ def read_beir_qrels(path: Path) -> Qrels:
     return qrels
 
 
-def read_trec_qrels(path: Path) -> Qrels:
-    """TREC qrels: ``qid iteration docid relevance`` separated by whitespace."""
-    qrels: Qrels = {}
+def _whitespace_fields(path: Path, count: int, layout: str) -> Iterator[tuple[int, list[str]]]:
+    """(line number, fields) of each non-blank line of a whitespace-separated file with ``count`` fields
+    a line; a line with another count is an error naming the file, the line and ``layout``."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             parts = line.split()
-            if len(parts) != 4:
-                raise CollectionError(f"{path}:{lineno}: expected 4 fields (qid iter docid rel), got {len(parts)}")
-            qrels.setdefault(parts[0], {})[parts[2]] = _relevance(parts[3], path, lineno)
+            if len(parts) != count:
+                raise CollectionError(f"{path}:{lineno}: expected {count} fields ({layout}), got {len(parts)}")
+            yield lineno, parts
+
+
+def read_trec_qrels(path: Path) -> Qrels:
+    """TREC qrels: ``qid iteration docid relevance`` separated by whitespace."""
+    qrels: Qrels = {}
+    for lineno, (qid, _, did, rel) in _whitespace_fields(path, 4, "qid iter docid rel"):
+        qrels.setdefault(qid, {})[did] = _relevance(rel, path, lineno)
     return qrels
+
+
+def trec_run_lines(path: Path) -> Iterator[tuple[str, str, float]]:
+    """``(qid, docid, score)`` of each line of a TREC run (``qid Q0 docid rank score tag``), streamed;
+    a malformed line is an error naming it."""
+    for lineno, parts in _whitespace_fields(path, 6, "qid Q0 docid rank score tag"):
+        try:
+            score = float(parts[4])
+        except ValueError:
+            raise CollectionError(f"{path}:{lineno}: score {parts[4]!r} is not a number") from None
+        yield parts[0], parts[2], score
 
 
 def read_trec_run(path: Path) -> Run:
     """TREC run: ``qid Q0 docid rank score tag``; each query's list sorted by score descending."""
     run: Run = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) != 6:
-                raise CollectionError(f"{path}:{lineno}: expected 6 fields (qid Q0 docid rank score tag), got {len(parts)}")
-            try:
-                score = float(parts[4])
-            except ValueError:
-                raise CollectionError(f"{path}:{lineno}: score {parts[4]!r} is not a number") from None
-            run.setdefault(parts[0], []).append((parts[2], score))
+    for qid, did, score in trec_run_lines(path):
+        run.setdefault(qid, []).append((did, score))
     for docs in run.values():
         docs.sort(key=lambda x: -x[1])
     return run
