@@ -56,7 +56,8 @@ def rule(w: Path, queries: dict, qrels: dict, cfg: TrainingDataConfig) -> list[d
         for r in pq.read_table(negatives_path(w, split)).sort_by([("query_id", "ascending"),
                                                                   ("rank", "ascending")]).to_pylist():
             run.setdefault(r["query_id"], []).append((r["doc_id"], r["score"]))
-        return run, {(r["query_id"], r["doc_id"]): r["score"] for r in pq.read_table(positives_path(w, split)).to_pylist()}
+        positives = pq.read_table(positives_path(w, split)).to_pylist()
+        return run, {(r["query_id"], r["doc_id"]): r["score"] for r in positives}
 
     run, pos = read(cfg.split)
     hard_run = read_trec_run(Path(cfg.hard_negative_run)) if cfg.hard_negative_run else {}
@@ -110,8 +111,9 @@ def test_mined_hard_negatives_weak_titles_and_a_limit_follow_the_rule(sample, tm
     # a "model" that ranks BM25's list backwards, written in an order other than the queries'
     mined = {q: [(d, float(i % 7)) for i, (d, _) in enumerate(docs)] for q, docs in sorted(bm25.items(), reverse=True)}
     write_trec_run(mined, tmp_path / "mined.trec", tag="mined")
-    cfg = TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, hard_negative_run=str(tmp_path / "mined.trec"),
-                             hard_negatives_per_positive=2, hard_negative_depth=5, weak_titles=5, weak_depth=20, seed=3)
+    cfg = TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, seed=3, weak_titles=5, weak_depth=20,
+                             hard_negative_run=str(tmp_path / "mined.trec"), hard_negatives_per_positive=2,
+                             hard_negative_depth=5)
     td = build_training_data(w, c.queries, c.qrels["train"], cfg)
     want = rule(w, c.queries, c.qrels["train"], cfg)
     got = streamed(td.triples)

@@ -549,7 +549,8 @@ def _block_triples(batch: pa.Table, workdir: str, config: TrainingDataConfig, ha
 
 
 def _query_triples(rng: random.Random, kind: str, positives: list[tuple[str, float]], pool: list[tuple[str, float]],
-                   hard: list[tuple[str, float]], config: TrainingDataConfig) -> Iterator[tuple[str, float, str, float]]:
+                   hard: list[tuple[str, float]],
+                   config: TrainingDataConfig) -> Iterator[tuple[str, float, str, float]]:
     """(positive, its score, negative, its score) of one query, drawn with ``rng`` (the rule the driver's
     :func:`_replay_query` replays on sizes)."""
     if kind == WEAK:
@@ -631,7 +632,8 @@ def _run_batches(run: Path, block_of: dict[str, int], schema: pa.Schema, rows: i
                 continue
             parts = line.split()
             if len(parts) != 6:
-                raise CollectionError(f"{run}:{lineno}: expected 6 fields (qid Q0 docid rank score tag), got {len(parts)}")
+                raise CollectionError(f"{run}:{lineno}: expected 6 fields (qid Q0 docid rank score tag), "
+                                      f"got {len(parts)}")
             try:
                 score = float(parts[4])
             except ValueError:
