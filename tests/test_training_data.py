@@ -132,12 +132,16 @@ def test_mined_hard_negatives_weak_titles_and_a_limit_follow_the_rule(sample, tm
     assert not {"pos_text", "neg_text"} & set(td.plan.specs.column_names)
 
 
-def test_missing_negatives_are_a_clear_error(sample, tmp_path):
-    from ckray.errors import MissingArtifactError
+def test_missing_negatives_and_a_malformed_mined_run_are_clear_errors(sample, tmp_path):
+    from ckray.errors import CollectionError, MissingArtifactError
 
     data, w, c = sample
     with pytest.raises(MissingArtifactError, match=r"no BM25 negatives for split 'other'.*--train-split other"):
         build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(split="other"))
+    bad = tmp_path / "bad.trec"
+    bad.write_text("q1 Q0 d1 1 2.5 x\nq1 Q0 d2 2 high x\n")
+    with pytest.raises(CollectionError, match=r"bad.trec:2: score 'high' is not a number"):
+        build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(hard_negative_run=str(bad)))
 
 
 def triples_digest(rows: list[dict]) -> tuple[str, str]:

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ckray.errors import CollectionError, ConfigError, MissingArtifactError
+from ckray.errors import ConfigError, MissingArtifactError
 
 log = logging.getLogger(__name__)
 
@@ -624,27 +624,19 @@ def _hard_negative_parts(workdir: str, run: Path, blocks: list[list[str]]) -> st
 
 
 def _run_batches(run: Path, block_of: dict[str, int], schema: pa.Schema, rows: int = 65536) -> Iterator[pa.RecordBatch]:
-    """The run's lines of training queries as record batches; a malformed line is an error naming it."""
+    """The run's lines of training queries as record batches (``line``: the line's place among the run's
+    lines, which breaks ties of score as the file's order does); a malformed line is an error naming it."""
+    from ckray.data.collections import trec_run_lines
+
     cols: dict[str, list] = {name: [] for name in schema.names}
-    with open(run, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) != 6:
-                raise CollectionError(f"{run}:{lineno}: expected 6 fields (qid Q0 docid rank score tag), "
-                                      f"got {len(parts)}")
-            try:
-                score = float(parts[4])
-            except ValueError:
-                raise CollectionError(f"{run}:{lineno}: score {parts[4]!r} is not a number") from None
-            if parts[0] not in block_of:
-                continue
-            for name, value in zip(schema.names, (block_of[parts[0]], parts[0], parts[2], score, lineno)):
-                cols[name].append(value)
-            if len(cols["line"]) >= rows:
-                yield pa.RecordBatch.from_pydict(cols, schema=schema)
-                cols = {name: [] for name in schema.names}
+    for line, (qid, did, score) in enumerate(trec_run_lines(run)):
+        if qid not in block_of:
+            continue
+        for name, value in zip(schema.names, (block_of[qid], qid, did, score, line)):
+            cols[name].append(value)
+        if len(cols["line"]) >= rows:
+            yield pa.RecordBatch.from_pydict(cols, schema=schema)
+            cols = {name: [] for name in schema.names}
     yield pa.RecordBatch.from_pydict(cols, schema=schema)
 
 
