@@ -4,7 +4,7 @@ Both loops train the same small cross-encoder (2-layer transformer, d=256, 128 t
 query-document pair, pairwise softmax loss) from the same initial weights, on the same batches in
 the same order (the Ray loop's shuffle is off), with the same optimizer (AdamW), LR schedule and
 gradient clipping, and the same number of torch threads (the Ray worker's reserved CPUs). With one
-worker ckray.train runs DeepSpeed at ZeRO stage 0 whatever ``--zero-stage`` says (nothing to
+worker ckray.training runs DeepSpeed at ZeRO stage 0 whatever ``--zero-stage`` says (nothing to
 partition); measured before that rule, ZeRO-2 on one worker cost 9 % more CPU per example.
 
 The plain loop runs as a Ray task (a Ray worker process with the same CPU reservation, hence the
@@ -46,8 +46,8 @@ import pyarrow as pa
 import torch
 
 from ckray.data.examples import DevSet
-from ckray.train import (RankerTask, TrainConfig, _effective_zero_stage, _seed_everything,
-                         fit, lr_factor, weight_decay_groups)
+from ckray.training import RankerTask, TrainConfig
+from ckray.training.loop import _effective_zero_stage, _seed_everything, fit, lr_factor, weight_decay_groups
 
 
 @dataclass

@@ -1,14 +1,13 @@
 """ckray: train, index and serve neural long-document rankers on Ray.
 
-The Python API is :mod:`ckray.api` (``from ckray import api``: ``api.prepare``, ``api.train``,
-``api.build_index``, ``api.evaluate``); ``ckray.prepare`` and ``ckray.build_index`` are importable from
-here too (``train`` and ``evaluate`` name the modules ``ckray.train`` and ``ckray.evaluate``). The
-ranker registry is :mod:`ckray.rankers`. Importing ckray loads neither torch nor Ray.
+The Python API is :mod:`ckray.api`: ``ckray.prepare``, ``ckray.train``, ``ckray.build_index`` and
+``ckray.evaluate`` (the same functions as ``ckray.api.*``). The ranker registry is :mod:`ckray.rankers`.
+Importing ckray loads neither torch nor Ray.
 """
 
 __version__ = "0.1.0"
 
-_API = ("prepare", "build_index")
+_API = ("prepare", "train", "build_index", "evaluate")
 
 
 def __getattr__(name: str):

@@ -106,7 +106,7 @@ def evaluate(pipelines: list[str] | str, data: PathLike, workdir: PathLike, spli
     """Run each named pipeline (``bm25``, ``ck-qti``, ``bm25>cedr-knrm``, ``clear+cedr-knrm`` …) on
     ``split``'s judged queries and evaluate it, as ``jobs/evaluate.py``: writes ``W/runs`` and
     ``W/metrics``; returns ``{pipeline: {measure: value}}``."""
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines
+    from ckray.evaluation import EvaluateConfig, evaluate_pipelines
 
     names = [pipelines] if isinstance(pipelines, str) else list(pipelines)
     return evaluate_pipelines(EvaluateConfig(data=str(data), workdir=str(workdir), pipelines=names, split=split,

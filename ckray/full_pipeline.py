@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterator
 from ckray.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ckray.evaluate import EvaluateConfig
+    from ckray.evaluation import EvaluateConfig
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,10 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
     """Evaluate each pipeline unless its metrics were computed from the same inputs (a stamp beside the
     metrics file); returns the metrics and the names evaluated now. ``first>reranker`` and
     ``first+reranker`` both due are evaluated together (one reranking, see
-    ``ckray.evaluate.evaluate_pipelines``); stamps are written as each is done, so a stopped run resumes."""
+    ``ckray.evaluation.evaluate_pipelines``); stamps are written as each is done, so a stopped run resumes."""
     from ckray.data.collections import judged_queries, read_queries_and_qrels
     from ckray.data.shards import read_json, write_json_atomic
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path
+    from ckray.evaluation import EvaluateConfig, evaluate_pipelines, metrics_path
     from ckray.pipelines import parse_pipeline
 
     queries, qrels = read_queries_and_qrels(Path(data))

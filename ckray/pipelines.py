@@ -154,7 +154,7 @@ def build_pipeline(name: str, workdir: str | os.PathLike, rerank_depth: int = 10
                    retriever_options: dict | None = None, reranker_options: dict | None = None,
                    interpolation_weight: float | None = None) -> Pipeline:
     """A pipeline by name. ``first+reranker`` reads its tuned weight from ``W/fusion`` unless
-    ``interpolation_weight`` is given (``ckray.evaluate.tune_interpolation`` writes it)."""
+    ``interpolation_weight`` is given (``ckray.evaluation.tune_interpolation`` writes it)."""
     first, reranker = parse_pipeline(name)
     if is_interpolated(name) and interpolation_weight is None:
         interpolation_weight = load_interpolation(workdir, first, reranker).weight

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckray.evaluate import format_table
+from ckray.evaluation import format_table
 
 
 def _measures(results: dict[str, dict[str, float]]) -> list[str]:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
-from ckray.train import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
+from ckray.errors import ConfigError
+from ckray.training import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ def training_parser(description: str, train_defaults: Mapping[str, Any] | None =
 
 def training_data_config(args: argparse.Namespace) -> TrainingDataConfig:
     """The training data's config from a training job's flags (checked: an invalid one names its flag)."""
-    from ckray.errors import ConfigError
 
     if args.max_triples < 0:
         raise ConfigError(f"--max-triples must be >= 0 (0: all), got {args.max_triples}")
@@ -87,7 +87,6 @@ def training_data(args: argparse.Namespace) -> TrainingData:
     lacks it. ``--max-triples N`` keeps the first N triples of the seeded shuffle."""
     from ckray.data.collections import read_queries_and_qrels
     from ckray.data.prepare import prepare_collection
-    from ckray.errors import ConfigError
 
     config = training_data_config(args)  # checks the flags before any work
     queries, qrels = read_queries_and_qrels(Path(args.data))
@@ -111,6 +110,9 @@ def run_training(task: RankerTask, args: argparse.Namespace, config: TrainConfig
     name = out.name   # the checkpoint's name (W/checkpoints/<name>)
     summary_path = out / "train_summary.json"
     previous = summary_path.read_bytes() if summary_path.exists() else None  # fit replaces the directory
+    if td.num_triples < config.workers * config.batch_size:  # the streamed triples are counted, not read, here
+        raise ConfigError(f"{td.num_triples} training triples are fewer than workers x batch_size "
+                          f"= {config.workers * config.batch_size}")
     result = fit(task, td.triples, td.dev, config)
     summary = {
         "name": name, "best_dev_ndcg@10": result.best_metric, "best_step": result.best_step,

@@ -20,7 +20,7 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 def main(args) -> None:
     from ckray import api
-    from ckray.evaluate import format_table
+    from ckray.evaluation import format_table
 
     results = api.evaluate(args.pipeline or ["bm25"], args.data, args.workdir, split=args.split, k=args.k,
                            rerank_depth=args.rerank_depth)

@@ -87,7 +87,7 @@ def test_negatives_searched_on_a_pool_are_one_searchers_sorted_by_query(sample_w
 
 def test_evaluating_many_queries_searches_bm25_on_a_pool(sample_workdir, monkeypatch):
     from ckray.data.collections import read_trec_run
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, first_stage_options, run_path
+    from ckray.evaluation import EvaluateConfig, evaluate_pipelines, first_stage_options, run_path
     from ckray.lexical import pool
     from ckray.pipelines import build_pipeline
 

@@ -127,7 +127,7 @@ class _TinyModel(torch.nn.Module):
 
 
 def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_changes(tmp_path, monkeypatch):
-    import ckray.evaluate
+    import ckray.evaluation
     from ckray.lexical.bm25 import META, bm25_index_dir
     from ckray.models.checkpoint import save_model
     from ckray.pipelines import checkpoint_dir
@@ -141,14 +141,14 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     def tune(workdir, pipeline, queries, qrels, depth):  # the real one reranks the dev queries
         tunings.append(depth)
         config = InterpolationConfig(weight=0.5, depth=depth,
-                                     **ckray.evaluate.interpolation_stamps(workdir, "bm25", "cedr-knrm"))
+                                     **ckray.evaluation.interpolation_stamps(workdir, "bm25", "cedr-knrm"))
         save_interpolation(workdir, "bm25", "cedr-knrm", config)
         return config
 
-    monkeypatch.setattr(ckray.evaluate, "tune_interpolation", tune)
+    monkeypatch.setattr(ckray.evaluation, "tune_interpolation", tune)
 
     def ensure(depth=30):
-        return ckray.evaluate.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {}, depth)
+        return ckray.evaluation.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {}, depth)
 
     ensure(), ensure()
     assert tunings == [30]                       # tuned once, then reused
@@ -164,7 +164,7 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
 
 
 def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(tmp_path, monkeypatch):
-    import ckray.evaluate
+    import ckray.evaluation
     from ckray.data.sample import generate_sample
 
     pairs = []
@@ -174,17 +174,17 @@ def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(
         plain, plus = names
         return {plus: {"nDCG@10": 0.2}, plain: {"nDCG@10": 0.1}}
 
-    monkeypatch.setattr(ckray.evaluate, "evaluate_reranker_pair", pair)
+    monkeypatch.setattr(ckray.evaluation, "evaluate_reranker_pair", pair)
     data = str(generate_sample(tmp_path / "data"))
     names = ["bm25+cedr-knrm", "bm25>cedr-knrm"]
-    results = ckray.evaluate.evaluate_pipelines(ckray.evaluate.EvaluateConfig(
+    results = ckray.evaluation.evaluate_pipelines(ckray.evaluation.EvaluateConfig(
         data=data, workdir=str(tmp_path / "w"), pipelines=names, split="test"))
     assert pairs == [("bm25", "cedr-knrm", ("bm25>cedr-knrm", "bm25+cedr-knrm"))]
     assert list(results) == names and results["bm25+cedr-knrm"] == {"nDCG@10": 0.2}
     # an alias pairs too, and its run keeps the name it was asked for (ck-qti-rerank = bm25>ck-qti)
     pairs.clear()
     names = ["ck-qti-rerank", "bm25+ck-qti"]
-    results = ckray.evaluate.evaluate_pipelines(ckray.evaluate.EvaluateConfig(
+    results = ckray.evaluation.evaluate_pipelines(ckray.evaluation.EvaluateConfig(
         data=data, workdir=str(tmp_path / "w"), pipelines=names, split="test"))
     assert pairs == [("bm25", "ck-qti", ("ck-qti-rerank", "bm25+ck-qti"))]
     assert results == {"ck-qti-rerank": {"nDCG@10": 0.1}, "bm25+ck-qti": {"nDCG@10": 0.2}}

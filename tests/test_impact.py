@@ -390,7 +390,7 @@ def test_retriever_counts_repeated_terms_and_handles_empty_queries(built, retrie
 
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_ck_qti_pipeline_evaluates_on_the_sample(built):
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines, metrics_path, run_path
+    from ckray.evaluation import EvaluateConfig, evaluate_pipelines, metrics_path, run_path
 
     w = built["workdir"]
     results = evaluate_pipelines(EvaluateConfig(data=str(built["data"]), workdir=str(w), pipelines=["ck-qti"]))

@@ -139,7 +139,7 @@ def test_full_pipeline_trains_indexes_evaluates_and_reruns_without_training(ray_
 
     # the pipeline evaluates first>reranker and first+reranker from one reranking: same figures as
     # evaluating each alone (jobs/evaluate.py with one --pipeline), which reranks for each
-    from ckray.evaluate import EvaluateConfig, evaluate_pipelines
+    from ckray.evaluation import EvaluateConfig, evaluate_pipelines
 
     pair = ["bm25>ck-qti", "bm25+ck-qti"]
     for name in pair:

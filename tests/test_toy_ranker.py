@@ -87,7 +87,7 @@ def test_the_toy_trains_reranks_evaluates_and_serves(toy, ray_session, tmp_path)
 
     from ckray import api
     from ckray.data.collections import read_queries_and_qrels
-    from ckray.evaluate import run_path
+    from ckray.evaluation import run_path
     from ckray.models.checkpoint import load_model, read_checkpoint_config
     from ckray.pipelines import build_pipeline
     from ckray.data.sample import sample_workdir

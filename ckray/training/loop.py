@@ -191,7 +191,11 @@ def _as_dataset(triples: Any) -> Any:
         dataset = triples
     else:
         raise ConfigError(f"triples must be a pyarrow.Table or ray.data.Dataset, not {type(triples).__name__}")
-    _check_columns(dataset.schema().names)
+    # A streamed dataset's schema is known only by running it: never run the whole pipeline here just to
+    # check the columns; its first batch on each worker is checked instead (_micro_batches).
+    schema = dataset.schema(fetch_if_missing=False)
+    if schema is not None:
+        _check_columns(schema.names)
     dataset.context.enable_progress_bars = False  # one bar per epoch per worker floods the log
     return dataset
 
@@ -375,6 +379,8 @@ def _micro_batches(shard: Any, cfg: TrainConfig, rank: int, epoch: int,
                                        local_shuffle_buffer_size=cfg.shuffle_buffer or None,
                                        local_shuffle_seed=_epoch_seed(cfg.seed, epoch, rank)):
             n += 1
+            if n == 1:
+                _check_columns(list(rows))
             if n <= skip:
                 continue
             yield epoch, n, rows
