@@ -53,9 +53,14 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
     index_dir = bm25_index_dir(workdir)
     manifest = read_manifest(workdir)
     stamp = {"shards_sha256": manifest["input_sha256"], "documents": manifest["documents"]}
-    if (index_dir / META).exists() and read_json(index_dir / META) == stamp:
-        log.info("BM25 index %s is up to date", index_dir)
-        return index_dir
+    if (index_dir / META).exists():
+        recorded = read_json(index_dir / META)
+        if {k: recorded.get(k) for k in stamp} == stamp and recorded.get("files") == _index_files(index_dir):
+            log.info("BM25 index %s is up to date", index_dir)
+            return index_dir
+        if recorded.get("files") not in (None, _index_files(index_dir)):
+            log.warning("BM25 index %s: its files differ from what was written (truncated or changed); rebuilding",
+                        index_dir)
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=Path(workdir)) as tmp:
         for shard in shard_paths(workdir):
@@ -64,9 +69,14 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
                 for did, title, text in zip(*(table.column(c).to_pylist() for c in ("doc_id", "title", "text"))):
                     f.write(json.dumps({"id": did, "contents": doc_text(title, text)}) + "\n")
         index_json_collection(Path(tmp), index_dir, threads=threads)
-    write_json_atomic(stamp, index_dir / META)
+    write_json_atomic({**stamp, "files": _index_files(index_dir)}, index_dir / META)
     log.info("BM25 index of %d documents built in %.1fs", manifest["documents"], time.time() - t0)
     return index_dir
+
+
+def _index_files(index_dir: Path) -> dict[str, int]:
+    """Each Lucene file of the index and its size, as written: a truncated or replaced file shows."""
+    return {f.name: f.stat().st_size for f in sorted(index_dir.iterdir()) if f.is_file() and f.name != META}
 
 
 @dataclass

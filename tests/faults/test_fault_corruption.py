@@ -28,9 +28,6 @@ def test_damaged_shard_and_negatives_are_rebuilt_by_the_next_prepare(sample_data
     same_tables(reference / "negatives" / "train.parquet", negatives)
 
 
-@pytest.mark.xfail(strict=True, reason="the BM25 index's stamp (W/bm25/index/ckray_index.json) records the shards "
-                   "it was built from, not its own files: a truncated Lucene file counts as up to date "
-                   "(fix in ckray/lexical/bm25.py: record each index file's size, rebuild on a mismatch)")
 def test_truncated_bm25_index_file_is_rebuilt(reference, tmp_path):
     from ckray.lexical.bm25 import build_bm25_index
 
