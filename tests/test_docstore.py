@@ -172,3 +172,11 @@ def test_opening_and_reading_every_document_does_not_hold_the_corpus(tmp_path):
     grown = _rss_anon_kb() - before
     assert total == n * (body_chars + 1) + sum(len(str(i)) for i in range(n))
     assert grown < corpus_kb / 8, f"RssAnon grew {grown} kB reading a {corpus_kb} kB corpus"
+
+
+def test_iter_doc_texts_streams_every_document_in_corpus_order(corpus, tmp_path):
+    from ckray.data.shards import iter_doc_texts
+
+    write_shards(tmp_path, corpus)
+    want = [doc_text(t, x) for t, x in zip(corpus.column("title").to_pylist(), corpus.column("text").to_pylist())]
+    assert list(iter_doc_texts(tmp_path, batch_rows=7)) == want  # batches cut across shard boundaries too

@@ -157,6 +157,16 @@ def read_corpus_dataset(workdir: str | os.PathLike, **kwargs):
     return ray.data.read_parquet([str(p) for p in shard_paths(workdir)], **kwargs)
 
 
+def iter_doc_texts(workdir: str | os.PathLike, batch_rows: int = 4096) -> Iterator[str]:
+    """Every document's ``doc_text(title, text)``, in corpus order (shard by shard, row by row), streamed
+    in Arrow batches of ``batch_rows``: memory does not grow with the corpus."""
+    from ckray.data.collections import doc_text
+
+    for path in shard_paths(workdir):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["title", "text"]):
+            yield from (doc_text(t, x) for t, x in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()))
+
+
 def load_corpus_table(workdir: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in shard_paths(workdir)])
 
