@@ -24,6 +24,7 @@ GOOD = [json.dumps({"_id": "d1", "title": "Alpha", "text": "alpha beta"}),
 
 def test_beir_reader_reads_corpus_queries_qrels(tmp_path):
     c = load_collection(write_beir(tmp_path, GOOD))
+    assert c.loaded_corpus is None  # not read until asked for
     assert c.corpus.column("doc_id").to_pylist() == ["d1", "d2"]
     assert c.queries == {"q1": "alpha beta"}
     assert c.qrels == {"test": {"q1": {"d1": 1}}}
@@ -48,10 +49,59 @@ def test_missing_id_is_named(tmp_path):
         load_collection(tmp_path)
 
 
-def test_duplicate_doc_id(tmp_path):
-    write_beir(tmp_path, [GOOD[0], GOOD[0]])
+def test_duplicate_doc_id_is_refused_when_the_corpus_is_read_whole(tmp_path):
+    # load_collection keeps no set of ids: prepare finds duplicates with both lines (test_prepare)
+    c = load_collection(write_beir(tmp_path, [GOOD[0], GOOD[0]]))
+    assert c.stats["documents"] == 2
     with pytest.raises(CollectionError, match=r"duplicate doc id 'd1'"):
+        c.corpus
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    write_beir(tmp_path, GOOD)
+    with open(tmp_path / "corpus.jsonl", "ab") as f:
+        f.write(b'{"_id": "d3", "text": "caf\xe9"}\n')
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:3: not UTF-8 \(invalid continuation byte at byte 27\)$"):
         load_collection(tmp_path)
+
+
+LOAD_AND_REPORT_RSS = """
+import resource, sys
+from ckray.data.collections import load_collection
+c = load_collection(sys.argv[1])
+assert c.loaded_corpus is None, "the corpus was read whole"
+print(c.stats["documents"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def _peak_rss_loading(path) -> tuple[int, int]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LOAD_AND_REPORT_RSS, str(path)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def test_load_collection_streams_the_corpus_its_memory_does_not_grow_with_it(tmp_path):
+    """Peak RSS of a process that loads a 60 MB corpus vs. a 2-document one: the difference is far below
+    the corpus's bytes (an Arrow table of it alone would hold them all)."""
+    big = tmp_path / "big"
+    big.mkdir()
+    body = " ".join(f"word{i % 997}" for i in range(200))  # ~1.6 KB a document
+    write_beir(big, [json.dumps({"_id": f"d{i}", "title": f"t{i}", "text": body}) for i in range(40_000)],
+               qrels="query-id\tcorpus-id\tscore\nq1\td7\t1\nq1\tnope\t1\n")
+    corpus_bytes = (big / "corpus.jsonl").stat().st_size
+    assert corpus_bytes > 60e6
+    (tmp_path / "small").mkdir()
+    small = write_beir(tmp_path / "small", GOOD)
+    docs_big, rss_big = _peak_rss_loading(big)
+    docs_small, rss_small = _peak_rss_loading(small)
+    assert (docs_big, docs_small) == (40_000, 2)
+    assert rss_big - rss_small < corpus_bytes / 6, (rss_big, rss_small, corpus_bytes)
+    c = load_collection(big)
+    mean_title = sum(len(f"t{i}") for i in range(40_000)) / 40_000
+    assert c.stats["unknown_docs"] == 1 and c.stats["mean_chars"] == pytest.approx(mean_title + 1 + len(body))
 
 
 def test_non_integer_relevance_is_named(tmp_path):

@@ -115,3 +115,33 @@ def test_duplicate_ids_across_shards(ray_session, sample, tmp_path):
     with pytest.raises(CollectionError, match="duplicate doc id 'd00000'"):  # and again on a re-run
         prepare_collection(str(sample), str(w), shards=3, split=None, bm25=True)
     assert not (w / "bm25").exists()
+
+
+def test_duplicate_ids_within_a_shard_are_named_with_both_lines(ray_session, sample, tmp_path):
+    lines = (sample / "corpus.jsonl").read_text().splitlines()
+    lines[4] = lines[2]
+    (sample / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    assert load_collection(sample).stats["documents"] == len(lines)  # the driver's pass keeps no set of ids
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:5: duplicate doc id 'd00002' \(first at line 3\)"):
+        prepare_shards(PrepareConfig(data=str(sample), workdir=str(tmp_path / "w"), shards=1))
+    assert not (tmp_path / "w" / "shards" / "_manifest.json").exists()
+
+
+def test_shards_are_written_a_batch_at_a_time_and_never_half(tmp_path):
+    """A shard task holds one batch of rows (a row group each); a malformed line stops it with no file."""
+    from ckray.data.collections import corpus_lines, parse_corpus_lines
+    from ckray.data.shards import write_corpus_parquet
+
+    cfile = generate_sample(tmp_path / "data") / "corpus.jsonl"
+    out = tmp_path / "part-00000.parquet"
+    assert write_corpus_parquet(parse_corpus_lines("beir", cfile, corpus_lines(cfile)), out, batch_rows=100) == 360
+    assert pq.read_metadata(out).num_row_groups == 4
+    ids = [json.loads(line)["_id"] for line in cfile.read_text().splitlines()]
+    assert pq.read_table(out).column("doc_id").to_pylist() == ids and len(set(ids)) == 360
+    lines = cfile.read_text().splitlines()
+    lines[250] = "{broken"
+    cfile.write_text("\n".join(lines) + "\n")
+    out.unlink()
+    with pytest.raises(CollectionError, match=r"corpus\.jsonl:251: malformed JSON"):
+        write_corpus_parquet(parse_corpus_lines("beir", cfile, corpus_lines(cfile)), out, batch_rows=100)
+    assert list(tmp_path.glob("*.parquet")) == [] and list(tmp_path.glob(".part-*")) == []

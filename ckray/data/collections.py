@@ -1,11 +1,17 @@
 """Collection readers: BEIR layout, MS MARCO TSV, TREC qrels and runs → one representation.
 
-A :class:`Collection` holds the corpus as an Arrow table (``doc_id, title, text``), queries as a
-dict and qrels per split. Every reader validates as it reads and raises :class:`CollectionError`
-naming the file and line: malformed JSON, a missing ``_id``, a duplicate doc id, a non-integer
-relevance. Qrels naming a document that is not in the corpus, or a query without a text, are kept,
-counted (``Collection.stats``) and reported once (a warning), or refused with ``strict_qrels=True``;
-empty documents are kept and counted.
+A :class:`Collection` holds queries as a dict and qrels per split, and where its corpus file is; the
+corpus itself is streamed, never held: :func:`load_collection` validates it in one pass that keeps one
+line at a time (counts, and which judged documents occur), and ``jobs/prepare.py`` shards it with Ray
+Data tasks that read byte ranges. ``Collection.corpus`` reads the whole corpus into an Arrow table
+(``doc_id, title, text``) on request, for small collections only (tests, examples).
+
+Every reader validates as it reads and raises :class:`CollectionError` naming the file and line:
+malformed JSON, a missing ``_id``, a non-integer relevance. A duplicate doc id is found when the
+corpus is prepared (from the document store's sorted id hashes, not a set of every id) and named
+with both its lines. Qrels naming a document that is not in the corpus, or a query without a text,
+are kept, counted (``Collection.stats``) and reported once (a warning), or refused with
+``strict_qrels=True``; empty documents are kept and counted.
 
 Layouts:
 - BEIR: ``corpus.jsonl`` ({"_id", "title", "text"}), ``queries.jsonl`` ({"_id", "text"}),
@@ -44,11 +50,22 @@ class Collection:
     """A corpus, its queries and its relevance judgments, whatever the source format."""
 
     name: str
-    corpus: pa.Table
     queries: dict[str, str]
     qrels: dict[str, Qrels]
     source: Path | None = None
     stats: dict = field(default_factory=dict)
+    loaded_corpus: pa.Table | None = field(default=None, repr=False)  # a corpus made in memory, or read once
+
+    @property
+    def corpus(self) -> pa.Table:
+        """The whole corpus as one Arrow table, read from ``source`` on first access (and then held): for
+        small collections (tests, examples). No job reads it; they stream the corpus file or its shards."""
+        if self.loaded_corpus is None:
+            if self.source is None:
+                raise CollectionError(f"{self.name}: no corpus (neither loaded nor a source directory)")
+            cfile, fmt = corpus_file(self.source)
+            self.loaded_corpus = corpus_table(parse_corpus_lines(fmt, cfile, corpus_lines(cfile)), cfile)
+        return self.loaded_corpus
 
     @property
     def splits(self) -> list[str]:
@@ -110,13 +127,30 @@ def parse_beir_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 
 def parse_msmarco_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 1) -> Iterator[tuple[str, str, str]]:
     """(doc_id, "", text) for each ``pid<TAB>text`` line of an MS MARCO ``collection.tsv``."""
     for lineno, line in enumerate(lines, start=first_line):
-        line = line.rstrip("\n")
+        line = line.rstrip("\r\n")
         if not line:
             continue
         pid, tab, text = line.partition("\t")
         if not tab or not pid.strip():
             raise CollectionError(f"{path}:{lineno}: expected 'pid<TAB>text'")
         yield pid.strip(), "", text
+
+
+def corpus_lines(path: Path, start: int = 0, end: int | None = None, first_line: int = 1) -> Iterator[str]:
+    """The lines of bytes [``start``, ``end``) of a corpus file (``start`` on a line boundary, line
+    ``first_line``), read and decoded one at a time, split at ``\\n`` only (as :func:`~ckray.data.prepare.split_file`
+    counts lines); a line that is not UTF-8 is an error naming it."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = start
+        for lineno, raw in enumerate(f, start=first_line):
+            if end is not None and pos >= end:
+                return
+            pos += len(raw)
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CollectionError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1})") from None
 
 
 def corpus_table(rows: Iterable[tuple[str, str, str]], path: Path | None = None) -> pa.Table:
@@ -341,16 +375,37 @@ def check_qrels(qrels: dict[str, Qrels], doc_ids: set[str], queries: dict[str, s
 
 
 def load_collection(path: str | Path, strict_qrels: bool = False, name: str | None = None) -> Collection:
-    """Read a BEIR or MS MARCO directory into a :class:`Collection` (validated; ``strict_qrels``: see
-    :func:`check_qrels`)."""
+    """Read a BEIR or MS MARCO directory's queries and qrels into a :class:`Collection`, and validate its
+    corpus in one streaming pass (:func:`scan_corpus`: a malformed line is an error naming it; the stats
+    count documents, empty documents, characters, and qrels naming unknown documents, ``strict_qrels``:
+    see :func:`check_qrels`). Memory holds the queries, the qrels and the judged documents found, never
+    the corpus's texts or all its ids."""
     path = Path(path)
     cfile, fmt = corpus_file(path)
-    with open(cfile, encoding="utf-8") as f:
-        corpus = corpus_table(parse_corpus_lines(fmt, cfile, f), cfile)
     queries, qrels = read_queries_and_qrels(path)
-    stats = collection_stats(corpus)
-    stats.update(check_qrels(qrels, set(corpus.column("doc_id").to_pylist()), queries, str(path), strict_qrels))
-    return Collection(name=name or path.name, corpus=corpus, queries=queries, qrels=qrels, source=path, stats=stats)
+    judged = {did for qr in qrels.values() for docs in qr.values() for did in docs}
+    stats, found = scan_corpus(cfile, fmt, judged)
+    stats.update(check_qrels(qrels, found, queries, str(path), strict_qrels))
+    return Collection(name=name or path.name, queries=queries, qrels=qrels, source=path, stats=stats)
+
+
+def scan_corpus(cfile: Path, fmt: str, judged: set[str]) -> tuple[dict, set[str]]:
+    """One pass over a corpus file, a line at a time: every line parsed (a malformed one is an error
+    naming ``file:line``); returns the stats (``documents``, ``empty_documents``, ``mean_chars`` of
+    ``title + " " + text``) and the ids of ``judged`` that occur."""
+    documents = empty = chars = 0
+    found: set[str] = set()
+    for doc_id, title, text in parse_corpus_lines(fmt, cfile, corpus_lines(cfile)):
+        documents += 1
+        chars += len(title) + 1 + len(text)
+        if not title.strip() and not text.strip():
+            empty += 1
+        if doc_id in judged:
+            found.add(doc_id)
+    if empty:
+        log.warning("%d empty document(s) kept in the corpus", empty)
+    return {"documents": documents, "empty_documents": empty,
+            "mean_chars": chars / documents if documents else 0.0}, found
 
 
 def collection_stats(corpus: pa.Table) -> dict:
@@ -379,4 +434,5 @@ def load_ir_dataset(dataset_id: str) -> Collection:
         split = dataset_id.rsplit("/", 1)[-1]
         for qr in ds.qrels_iter():
             qrels.setdefault(split, {}).setdefault(qr.query_id, {})[qr.doc_id] = int(qr.relevance)
-    return Collection(name=dataset_id, corpus=corpus, queries=queries, qrels=qrels, stats=collection_stats(corpus))
+    return Collection(name=dataset_id, queries=queries, qrels=qrels, stats=collection_stats(corpus),
+                      loaded_corpus=corpus)

@@ -16,14 +16,14 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import pyarrow.parquet as pq
 
 from ckray import __version__
-from ckray.data.collections import corpus_file, corpus_table, parse_corpus_lines
+from ckray.data.collections import corpus_file, corpus_lines, parse_corpus_lines
 from ckray.data.shards import (MANIFEST, file_sha256, is_done, mark_done, read_json, shard_name,
-                               shards_dir, write_json_atomic, write_parquet_atomic)
+                               shards_dir, write_corpus_parquet, write_json_atomic)
 from ckray.errors import CkrayError, CollectionError, ConfigError, DuplicateDocumentError
 
 if TYPE_CHECKING:
@@ -81,26 +81,38 @@ def split_file(path: Path, n: int) -> list[tuple[int, int, int]]:
         ranges, line = [], 1
         for start, end in zip(bounds, bounds[1:]):
             ranges.append((start, end, line))
-            f.seek(start)
-            line += f.read(end - start).count(b"\n")
+            line += _count_newlines(f, start, end)
     return ranges
 
 
+def _count_newlines(f: BinaryIO, start: int, end: int, chunk: int = 1 << 24) -> int:
+    """The ``\\n`` bytes in [start, end) of the open binary file ``f``, read in chunks of ``chunk`` bytes."""
+    f.seek(start)
+    count, left = 0, end - start
+    while left > 0:
+        block = f.read(min(chunk, left))
+        if not block:
+            break
+        count += block.count(b"\n")
+        left -= len(block)
+    return count
+
+
 def write_piece(piece: dict) -> dict:
-    """Parse one byte range and write its shard (runs as a Ray Data task). A CkrayError (a malformed
-    line, a failed write) comes back as the row's ``error`` and ``error_type``, which Ray does not
-    carry across processes when raised; :func:`raise_piece_errors` raises it in the driver."""
+    """Parse one byte range and write its shard (runs as a Ray Data task), streamed: one batch of rows is
+    held at a time, whatever the shard's size (duplicate ids are found afterwards, across all shards, by
+    :func:`_check_unique_ids`). A CkrayError (a malformed line, a failed write) comes back as the row's
+    ``error`` and ``error_type``, which Ray does not carry across processes when raised;
+    :func:`raise_piece_errors` raises it in the driver."""
     p = Piece(**piece)
+    path = Path(p.path)
     try:
-        with open(p.path, "rb") as f:
-            f.seek(p.start)
-            lines = f.read(p.end - p.start).decode("utf-8").splitlines()
-        table = corpus_table(parse_corpus_lines(p.fmt, Path(p.path), lines, p.first_line), Path(p.path))
-        write_parquet_atomic(table, p.out)
+        lines = corpus_lines(path, p.start, p.end, p.first_line)
+        rows = write_corpus_parquet(parse_corpus_lines(p.fmt, path, lines, p.first_line), p.out)
         mark_done(p.out, {"input_sha256": p.input_sha256, "start": p.start, "end": p.end})
     except CkrayError as e:
         return {"index": p.index, "rows": 0, "error": str(e), "error_type": type(e).__name__}
-    return {"index": p.index, "rows": table.num_rows, "error": "", "error_type": ""}
+    return {"index": p.index, "rows": rows, "error": "", "error_type": ""}
 
 
 def raise_piece_errors(results: list[dict]) -> None:

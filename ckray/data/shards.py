@@ -69,6 +69,33 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def write_corpus_parquet(rows: Iterable[tuple[str, str, str]], path: str | os.PathLike,
+                         batch_rows: int = 8192, batch_bytes: int = 1 << 24) -> int:
+    """Write ``(doc_id, title, text)`` rows as a corpus shard (atomically), a row group per batch of at
+    most ``batch_rows`` rows or about ``batch_bytes`` of text, so memory holds one batch whatever the
+    number of rows. Returns the number of rows."""
+    from ckray.data.collections import CORPUS_SCHEMA
+
+    def table(batch: list[tuple[str, str, str]]) -> pa.Table:
+        return pa.table([list(column) for column in zip(*batch)] if batch else [[], [], []], schema=CORPUS_SCHEMA)
+
+    total = 0
+    with atomic_target(path) as tmp, pq.ParquetWriter(tmp, CORPUS_SCHEMA) as writer:
+        batch: list[tuple[str, str, str]] = []
+        size = 0
+        for row in rows:
+            batch.append(row)
+            size += len(row[1]) + len(row[2])
+            if len(batch) >= batch_rows or size >= batch_bytes:
+                writer.write_table(table(batch))
+                total += len(batch)
+                batch, size = [], 0
+        if batch or not total:  # a range without documents still gets a readable (empty) shard
+            writer.write_table(table(batch))
+            total += len(batch)
+    return total
+
+
 def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
     with atomic_target(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))

@@ -49,7 +49,9 @@ def index_json_collection(input_dir: Path, index_dir: Path, threads: int = 2, im
 
 
 def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
-    """Index ``W/shards`` into ``W/bm25/index``; skipped when the shards have not changed."""
+    """Index ``W/shards`` into ``W/bm25/index``; skipped when the shards have not changed. The shards are
+    rewritten as Anserini's JSON lines a batch of rows at a time; Lucene indexes them in a subprocess
+    whose heap is ``$CKRAY_JVM_HEAP``."""
     index_dir = bm25_index_dir(workdir)
     manifest = read_manifest(workdir)
     stamp = {"shards_sha256": manifest["input_sha256"], "documents": manifest["documents"]}
@@ -64,10 +66,10 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=Path(workdir)) as tmp:
         for shard in shard_paths(workdir):
-            table = pq.read_table(shard)
             with open(Path(tmp) / (shard.stem + ".jsonl"), "w", encoding="utf-8") as f:
-                for did, title, text in zip(*(table.column(c).to_pylist() for c in ("doc_id", "title", "text"))):
-                    f.write(json.dumps({"id": did, "contents": doc_text(title, text)}) + "\n")
+                for batch in pq.ParquetFile(shard).iter_batches(batch_size=4096, columns=["doc_id", "title", "text"]):
+                    for did, title, text in zip(*(batch.column(c).to_pylist() for c in range(3))):
+                        f.write(json.dumps({"id": did, "contents": doc_text(title, text)}) + "\n")
         index_json_collection(Path(tmp), index_dir, threads=threads)
     write_json_atomic({**stamp, "files": _index_files(index_dir)}, index_dir / META)
     log.info("BM25 index of %d documents built in %.1fs", manifest["documents"], time.time() - t0)
