@@ -26,6 +26,8 @@ class EvaluateConfig:
     k: int = 1000
     rerank_depth: int = 100
     measures: tuple[str, ...] = DEFAULT_MEASURES
+    lam: float | None = None             # CLEAR's λ_test instead of the tuned or carried one (--lambda)
+    fusion_weight: float | None = None   # w of every first+reranker instead of the tuned or carried one
 
     def __post_init__(self) -> None:
         for name in ("k", "rerank_depth"):
@@ -72,12 +74,48 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth),
                                  **interpolation_stamps(workdir, first, reranker))
     save_interpolation(workdir, first, reranker, config)
+    from ckray.deploy import save_fusion_weight
+    from ckray.pipelines import checkpoint_dir
+
+    save_fusion_weight(checkpoint_dir(workdir, reranker), first, {
+        "weight": config.weight, "depth": config.depth,
+        "tuned_on": {"workdir": str(Path(workdir).resolve()), "dev_queries": config.dev_queries}})
     return config
 
 
-def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int):
-    """The tuned weight of a ``first+reranker`` pipeline: the saved one when it was tuned at this depth
-    for this checkpoint on this first-stage index, otherwise tuned again (``tune_interpolation``)."""
+def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: int):
+    """For a collection with no training queries: the ``w`` saved with the reranker's checkpoint for
+    this first stage (``ckray.deploy``), written to ``W/fusion`` with its ``source`` and this work
+    directory's stamps. A MissingArtifactError when none was saved; a ConfigError when the saved ones
+    were tuned over other first stages."""
+    from ckray.deploy import carried_fusion_weight, deploy_path, source_of
+    from ckray.errors import MissingArtifactError
+    from ckray.fusion import InterpolationConfig, save_interpolation
+    from ckray.pipelines import checkpoint_dir
+
+    checkpoint = checkpoint_dir(workdir, reranker)
+    carried = carried_fusion_weight(checkpoint, first)
+    if carried is None:
+        raise MissingArtifactError(
+            f"{first}+{reranker}: this collection has no training queries to tune w on, and {deploy_path(checkpoint)} "
+            "holds no weight tuned where the model was trained; evaluate the pipeline on the training collection "
+            "first (it saves w with the checkpoint), or pass --fusion-weight")
+    if int(carried.get("depth", rerank_depth)) != rerank_depth:
+        log.warning("%s+%s: w = %s was tuned at rerank depth %s, used here at %d", first, reranker,
+                    carried["weight"], carried.get("depth"), rerank_depth)
+    config = InterpolationConfig(weight=float(carried["weight"]), depth=rerank_depth,
+                                 table={}, source=source_of(checkpoint),
+                                 **interpolation_stamps(workdir, first, reranker))
+    save_interpolation(workdir, first, reranker, config)
+    return config
+
+
+def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
+                         train_split: str = "train"):
+    """The weight of a ``first+reranker`` pipeline: the saved one when it was tuned (or carried) at this
+    depth for this checkpoint on this first-stage index; otherwise tuned again on the dev split of
+    ``train_split`` (``tune_interpolation``) or, when the collection has no such split, the one saved
+    with the checkpoint (``carry_interpolation``)."""
     from ckray.fusion import fusion_path, load_interpolation
     from ckray.pipelines import parse_pipeline
 
@@ -86,26 +124,67 @@ def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], q
     stamps = interpolation_stamps(workdir, first, reranker)
     if (tuned is None or tuned.depth != rerank_depth
             or any(getattr(tuned, field) != stamp for field, stamp in stamps.items())):
-        tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth)
+        if train_split in qrels:
+            tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split)
+        else:
+            tuned = carry_interpolation(workdir, first, reranker, rerank_depth)
     return tuned
 
 
-def first_stage_options(first: str, n_queries: int) -> dict:
+def interpolation_setting(workdir: str, first: str, reranker: str, weight: float | None = None) -> dict:
+    """The ``w`` a ``first+reranker`` evaluation used and where it came from (its settings record)."""
+    from ckray.fusion import fusion_path, load_interpolation
+
+    if weight is not None:
+        return {"value": weight, "source": "flag"}
+    tuned = load_interpolation(workdir, first, reranker)
+    return {"value": tuned.weight, "depth": tuned.depth,
+            "source": tuned.source or f"tuned on {tuned.dev_queries} dev queries of this collection's training split",
+            "file": str(fusion_path(workdir, first, reranker))}
+
+
+def first_stage_options(first: str, n_queries: int, lam: float | None = None) -> dict:
     """The first stage's options for ``n_queries`` queries: from ``POOL_MIN_QUERIES`` queries on, BM25
     searches on a pool of Ray actors, as many as the cluster's CPUs hold (``ckray.lexical.pool``; the
-    run equals one searcher's); other first stages and fewer queries search in this process."""
+    run equals one searcher's); other first stages and fewer queries search in this process. ``lam``
+    (``--lambda``) goes to a first stage whose factory takes a λ (CLEAR's hybrid)."""
+    import inspect
+
+    from ckray import rankers
     from ckray.lexical.pool import POOL_MIN_QUERIES
 
-    return {"actors": None} if first == "bm25" and n_queries >= POOL_MIN_QUERIES else {}
+    options = {"actors": None} if first == "bm25" and n_queries >= POOL_MIN_QUERIES else {}
+    if lam is not None and "lam" in inspect.signature(rankers.resolve(rankers.first_stages()[first].factory)).parameters:
+        options["lam"] = lam
+    return options
 
 
-def write_results(config: EvaluateConfig, name: str, run, qrels: dict) -> dict[str, float]:
-    """Evaluate one pipeline's run on ``config.split`` and write its run file, metrics and per-query metrics."""
+def pipeline_settings(pipe, config: EvaluateConfig) -> dict:
+    """The deployment settings a pipeline ran with and where each came from: its first stage's and
+    reranker's (their ``settings``: CLEAR's λ, CK-QTI's top-k and β) and, interpolated, its ``w``."""
+    from ckray.pipelines import parse_pipeline
+
+    settings = {**getattr(pipe.retriever, "settings", {}), **getattr(pipe.reranker, "settings", {})}
+    if pipe.interpolation_weight is not None:
+        first, reranker = parse_pipeline(pipe.name)
+        settings["fusion_weight"] = interpolation_setting(config.workdir, first, reranker, config.fusion_weight)
+    return settings
+
+
+def settings_path(workdir, pipeline: str, split: str) -> Path:
+    return metrics_path(workdir, pipeline, split).with_suffix(".settings.json")
+
+
+def write_results(config: EvaluateConfig, name: str, run, qrels: dict, settings: dict | None = None) -> dict[str, float]:
+    """Evaluate one pipeline's run on ``config.split`` and write its run file, metrics, per-query metrics
+    and the deployment settings it ran with (``<pipeline>-<split>.settings.json``)."""
     metrics = evaluate(run, qrels, config.measures)
     write_trec_run(run, run_path(config.workdir, name, config.split), tag=name.replace(">", "_"))
     write_json_atomic(metrics, metrics_path(config.workdir, name, config.split))
     write_json_atomic(per_query(run, qrels, config.measures),
                       metrics_path(config.workdir, name, config.split).with_suffix(".per-query.json"))
+    write_json_atomic({"pipeline": name, "split": config.split, "settings": settings or {}},
+                      settings_path(config.workdir, name, config.split))
     return metrics
 
 
@@ -131,13 +210,14 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
             results.update(evaluate_reranker_pair(config, first, reranker, names=(plain, plus)))
             continue
         t0 = time.time()
-        if is_interpolated(name):
+        if is_interpolated(name) and config.fusion_weight is None:
             ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth,
-                              retriever_options=first_stage_options(first, len(split_q)))
+                              retriever_options=first_stage_options(first, len(split_q), config.lam),
+                              interpolation_weight=config.fusion_weight)
         run = pipe.run(split_q, k=config.k)
         wall = time.time() - t0
-        metrics = write_results(config, name, run, qrels[config.split])
+        metrics = write_results(config, name, run, qrels[config.split], pipeline_settings(pipe, config))
         log.info("%s on %s: %s (%.1fs for %d queries)", name, config.split, metrics, wall, len(split_q))
         results[name] = metrics
     return {name: results[name] for name in config.pipelines}
@@ -160,17 +240,22 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
     queries, qrels = read_queries_and_qrels(Path(config.data))
     split_q = {q: queries[q] for q in qrels[config.split] if q in queries}  # checked by evaluate_pipelines
     t0 = time.time()
-    tuned = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth)
+    weight = config.fusion_weight
+    if weight is None:
+        weight = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth).weight
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth,
-                          retriever_options=first_stage_options(first, len(split_q)))
+                          retriever_options=first_stage_options(first, len(split_q), config.lam))
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
     reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
-    runs = {out_plain: reranked, out_plus: interpolate(first_run, reranked, pipe.rerank_depth, tuned.weight)}
+    runs = {out_plain: reranked, out_plus: interpolate(first_run, reranked, pipe.rerank_depth, weight)}
     wall = time.time() - t0
+    settings = pipeline_settings(pipe, config)
     results = {}
     for name, run in runs.items():
         run = {q: docs[:config.k] for q, docs in run.items()}
-        metrics = write_results(config, name, run, qrels[config.split])
+        used = settings if name == out_plain else {
+            **settings, "fusion_weight": interpolation_setting(config.workdir, first, reranker, config.fusion_weight)}
+        metrics = write_results(config, name, run, qrels[config.split], used)
         log.info("%s on %s: %s (%.1fs for %d queries, with %s)", name, config.split, metrics, wall,
                  len(split_q), out_plus if name == out_plain else out_plain)
         results[name] = metrics

@@ -18,7 +18,9 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
   one weight fits first stages and rerankers whose score scales differ. ``w`` is chosen on the *dev*
   queries — training queries held back from the reranker's training by the same stable hash
   (``ckray.data.examples.is_dev_query``) — never on test queries, and saved to
-  ``W/fusion/<first>+<reranker>.json`` so evaluation and serving use the same weight.
+  ``W/fusion/<first>+<reranker>.json`` so evaluation and serving use the same weight. It is also
+  saved with the reranker's checkpoint (``ckray.deploy``), and a collection with no training queries
+  uses that one (``ckray.evaluation.ensure_interpolation``).
 
 * **A linear combination of two scores per (query, document)** (:func:`linear_fusion`): CLEAR's
   Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.dense``).
@@ -169,6 +171,7 @@ class InterpolationConfig:
     table: dict = field(default_factory=dict)
     checkpoint_stamp: str = ""     # which reranker checkpoint it was tuned for (``ckray.models.checkpoint.checkpoint_digest``)
     first_stage_stamp: str = ""    # which first-stage index it was tuned on (``ckray.pipelines.first_stage_digest``)
+    source: str = ""               # where a weight not tuned here came from (a checkpoint's deploy.json, ckray.deploy)
 
 
 def tune_weight(first: Run, reranked: Run, qrels: Mapping[str, Mapping[str, int]], depth: int,
@@ -189,7 +192,10 @@ def fusion_path(workdir: str | os.PathLike, first: str, reranker: str) -> Path:
 def save_interpolation(workdir: str | os.PathLike, first: str, reranker: str, config: InterpolationConfig) -> Path:
     from ckray.data.shards import write_json_atomic
 
-    return write_json_atomic(asdict(config), fusion_path(workdir, first, reranker))
+    record = asdict(config)
+    if not record["source"]:  # tuned here: the file reads as it always has
+        del record["source"]
+    return write_json_atomic(record, fusion_path(workdir, first, reranker))
 
 
 def load_interpolation(workdir: str | os.PathLike, first: str, reranker: str) -> InterpolationConfig:

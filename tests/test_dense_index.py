@@ -296,3 +296,38 @@ def test_hybrid_retriever_fetches_exact_scores_and_tunes_on_training_queries():
     assert hybrid.config.lam == best and 0.08 < best < 0.16
     run = hybrid.search({"q1": "x", "q2": "y"}, k=1)
     assert run == {"q1": [("A", pytest.approx(best * 10 + 0.1))], "q2": [("C", pytest.approx(best * 5 + 0.9))]}
+
+
+def test_a_query_tower_other_than_the_indexed_model_is_refused_naming_both(encoded, tiny_checkpoint, tmp_path):
+    from ckray.models.checkpoint import checkpoint_digest
+    from ckray.rankers.clear.dense import dense_retriever, index_dir
+
+    workdir, _ = encoded
+    DenseIndex.from_shards(embeddings_dir(workdir), meta={
+        "checkpoint": str(tiny_checkpoint), "checkpoint_sha256": checkpoint_digest(tiny_checkpoint)}).save(
+        index_dir(tmp_path))
+    assert dense_retriever(tmp_path).checkpoint == str(tiny_checkpoint)   # the index's own model
+    torch.manual_seed(1)
+    other = save_model(CLEAR(CLEARConfig(encoder=str(load_model(tiny_checkpoint).config.encoder), pretrained=False,
+                                         bert_config=dict(TINY_BERT), doc_max_len=64)), tmp_path / "other")
+    with pytest.raises(ConfigError, match=rf"checkpoint {other} .*not the model the dense index .*{tiny_checkpoint}"):
+        dense_retriever(tmp_path, other)
+
+
+def test_lambda_saved_with_the_checkpoint_is_carried_to_a_collection_without_training_queries(tiny_checkpoint,
+                                                                                            tmp_path):
+    import json
+
+    from ckray.deploy import deploy_path, save_deploy_setting
+    from ckray.rankers.clear.dense import carry_hybrid, load_hybrid_config, save_hybrid_config
+
+    assert carry_hybrid(tmp_path, tiny_checkpoint) is None and not (tmp_path / "dense" / "hybrid.json").exists()
+    save_deploy_setting(tiny_checkpoint, "lambda", {"value": 0.08, "tuned_on": {"queries": 40}})
+    carried = carry_hybrid(tmp_path, tiny_checkpoint)
+    loaded = load_hybrid_config(tmp_path)
+    assert loaded.lam == carried.lam == 0.08 and loaded.source == str(deploy_path(tiny_checkpoint.resolve()))
+    assert HybridRetriever(None, None, loaded).settings == {"lambda": {"value": 0.08, "source": loaded.source}}
+    # tuned here: the file has no source, as before
+    save_hybrid_config(tmp_path, HybridConfig(lam=0.3))
+    assert "source" not in json.loads((tmp_path / "dense" / "hybrid.json").read_text())
+    deploy_path(tiny_checkpoint).unlink()

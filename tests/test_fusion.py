@@ -138,7 +138,7 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     bm25_meta.write_text(json.dumps({"shards": "first build"}))
     tunings = []
 
-    def tune(workdir, pipeline, queries, qrels, depth):  # the real one reranks the dev queries
+    def tune(workdir, pipeline, queries, qrels, depth, train_split):  # the real one reranks the dev queries
         tunings.append(depth)
         config = InterpolationConfig(weight=0.5, depth=depth,
                                      **ckray.evaluation.interpolation_stamps(workdir, "bm25", "cedr-knrm"))
@@ -148,7 +148,7 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     monkeypatch.setattr(ckray.evaluation, "tune_interpolation", tune)
 
     def ensure(depth=30):
-        return ckray.evaluation.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {}, depth)
+        return ckray.evaluation.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {"train": {}}, depth)
 
     ensure(), ensure()
     assert tunings == [30]                       # tuned once, then reused
@@ -161,6 +161,40 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     ensure(depth=50)
     assert tunings == [30, 30, 30, 50]           # another depth
     assert load_interpolation(tmp_path, "bm25", "cedr-knrm").depth == 50
+
+
+def test_without_training_queries_the_weight_saved_with_the_checkpoint_is_used_for_its_first_stage_only(tmp_path):
+    import ckray.evaluation
+    from ckray.deploy import deploy_path, read_deploy, save_fusion_weight
+    from ckray.models.checkpoint import save_model
+    from ckray.pipelines import checkpoint_dir
+
+    trained = save_model(_TinyModel(_TinyConfig()), tmp_path / "train" / "checkpoints" / "cedr-knrm")
+    target = tmp_path / "target"
+    checkpoint_dir(target, "cedr-knrm").parent.mkdir(parents=True)
+    checkpoint_dir(target, "cedr-knrm").symlink_to(trained)
+    no_train = {"test": {"q": {"d": 1}}}
+
+    def ensure(pipeline, depth=30):
+        return ckray.evaluation.ensure_interpolation(str(target), pipeline, {}, no_train, depth)
+
+    with pytest.raises(MissingArtifactError, match="no training queries.*--fusion-weight"):
+        ensure("bm25+cedr-knrm")
+    save_fusion_weight(trained, "bm25", {"weight": 0.7, "depth": 30, "tuned_on": {"dev_queries": 12}})
+    carried = ensure("bm25+cedr-knrm")
+    assert carried.weight == 0.7 and carried.source == str(deploy_path(trained.resolve()))
+    saved = load_interpolation(target, "bm25", "cedr-knrm")    # what evaluation, its stamp and Serve read
+    assert (saved.weight, saved.source) == (0.7, carried.source)
+    assert ckray.evaluation.interpolation_setting(str(target), "bm25", "cedr-knrm")["source"] == carried.source
+    assert ckray.evaluation.interpolation_setting(str(target), "bm25", "cedr-knrm", 0.2) == {"value": 0.2,
+                                                                                            "source": "flag"}
+    with pytest.raises(ConfigError, match=r"tuned for first stage\(s\) bm25, not for 'clear'"):
+        ensure("clear+cedr-knrm")
+    # a retrained checkpoint: the saved weight was another model's and is not used
+    save_model(_TinyModel(_TinyConfig(dim=4)), trained)
+    assert read_deploy(trained) == {}
+    with pytest.raises(MissingArtifactError):
+        ensure("bm25+cedr-knrm")
 
 
 def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(tmp_path, monkeypatch):

@@ -458,10 +458,11 @@ class DenseRetriever:
 
         from ckray.models.checkpoint import load_model
 
+        self.checkpoint: str | None = None   # its directory, when loaded from one
         if isinstance(checkpoint, torch.nn.Module):
             self.model = checkpoint
         else:
-            self.model = load_model(checkpoint)
+            self.model, self.checkpoint = load_model(checkpoint), str(checkpoint)
         if device is None:
             from ckray.device import default_device
 
@@ -559,6 +560,7 @@ class HybridConfig:
     dense_depth: int = 100
     exact: bool = True            # fetch missing scores exactly (else: lowest score of that side)
     tuned: dict = field(default_factory=dict)
+    source: str | None = None     # where a λ not tuned here came from (a checkpoint's deploy.json, ckray.deploy)
 
 
 class HybridRetriever:
@@ -577,6 +579,12 @@ class HybridRetriever:
             if hasattr(self.lexical, "score"):
                 lex_score = lambda q, ids: {d: self.lexical.score(queries[q], d) for d in ids}  # noqa: E731
         return hybrid_candidates(lex_run, dense_run, lex_score, emb_score)
+
+    @property
+    def settings(self) -> dict:
+        """The deployment setting in use and where it came from (what an evaluation records)."""
+        return {"lambda": {"value": self.config.lam,
+                           "source": self.config.source or "tuned on this collection's training queries"}}
 
     def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
         run = linear_fusion(self.candidates(queries, k), self.config.lam, k)
@@ -597,21 +605,43 @@ def tune_hybrid(workdir: str | os.PathLike, queries: Mapping[str, str], qrels: M
     """Tune λ_test on *training* queries with BM25 (``W/bm25``) + the dense index, save ``W/dense/hybrid.json``."""
     from ckray.lexical.bm25 import bm25_retriever
 
-    hybrid = HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint), config or HybridConfig())
+    from ckray.deploy import save_deploy_setting
+
+    dense = dense_retriever(workdir, checkpoint)
+    hybrid = HybridRetriever(bm25_retriever(workdir), dense, config or HybridConfig())
     hybrid.tune(queries, qrels, grid)
     save_hybrid_config(workdir, hybrid.config)
+    save_deploy_setting(dense.checkpoint, "lambda", {"value": hybrid.config.lam, "tuned_on": {
+        "workdir": str(Path(workdir).resolve()), "queries": len(queries), "ndcg@10": hybrid.config.tuned["ndcg@10"]}})
     return hybrid.config
 
 
+def carry_hybrid(workdir: str | os.PathLike, checkpoint: str | os.PathLike) -> HybridConfig | None:
+    """For a collection with no training queries: λ_test saved with ``checkpoint`` (``ckray.deploy``)
+    written to ``W/dense/hybrid.json`` with its ``source``; None (nothing written) when none was saved."""
+    from ckray.deploy import carried_lambda, source_of
+
+    carried = carried_lambda(checkpoint)
+    if carried is None:
+        return None
+    config = HybridConfig(lam=float(carried["value"]), source=source_of(checkpoint),
+                          tuned=dict(carried.get("tuned_on") or {}))
+    save_hybrid_config(workdir, config)
+    return config
+
+
 def save_hybrid_config(workdir: str | os.PathLike, config: HybridConfig) -> Path:
-    return write_json_atomic(asdict(config), Path(workdir) / DENSE_DIR / HYBRID_FILE)
+    record = asdict(config)
+    if record["source"] is None:  # tuned here: the file reads as it always has
+        del record["source"]
+    return write_json_atomic(record, Path(workdir) / DENSE_DIR / HYBRID_FILE)
 
 
 def load_hybrid_config(workdir: str | os.PathLike) -> HybridConfig:
     path = Path(workdir) / DENSE_DIR / HYBRID_FILE
     if not path.exists():
         raise MissingArtifactError(f"no tuned λ_test at {path}: run jobs/build_dense_index.py (it tunes λ on "
-                                   f"training queries)")
+                                   f"training queries, or carries the λ saved with the checkpoint), or pass --lambda")
     return HybridConfig(**json.loads(path.read_text()))
 
 
@@ -626,7 +656,23 @@ def dense_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike | 
     ckpt = checkpoint or index.meta.get("checkpoint") or default_checkpoint(workdir)
     if not Path(ckpt).exists():
         ckpt = default_checkpoint(workdir)
+    check_index_checkpoint(index, ckpt, index_dir(workdir))
     return DenseRetriever(ckpt, index, **options)
+
+
+def check_index_checkpoint(index: DenseIndex, checkpoint: str | os.PathLike, where: str | os.PathLike) -> None:
+    """The query tower must be the model whose documents the index holds: a ConfigError naming both
+    checkpoints otherwise (another model's query vectors would score silently wrong)."""
+    from ckray.models.checkpoint import checkpoint_digest, read_checkpoint_config
+
+    built = index.meta.get("checkpoint_sha256")
+    if built is None:
+        return
+    if checkpoint_digest(checkpoint) != built:
+        encoder = read_checkpoint_config(checkpoint).get("config", {}).get("encoder")
+        raise ConfigError(f"checkpoint {checkpoint} (encoder {encoder}) is not the model the dense index at {where} "
+                          f"was built with ({index.meta.get('checkpoint')}, sha256 {built[:12]}…): its query vectors "
+                          f"do not fit that index; rebuild it with jobs/build_dense_index.py --checkpoint {checkpoint}")
 
 
 def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
@@ -634,7 +680,8 @@ def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike |
     """``clear``: BM25 + CLEAR dense with the λ_test tuned on training queries (``W/dense/hybrid.json``)."""
     from ckray.lexical.bm25 import bm25_retriever
 
-    config = load_hybrid_config(workdir)
+    config = HybridConfig(lam=lam, source="flag") if lam is not None and not (
+        Path(workdir) / DENSE_DIR / HYBRID_FILE).exists() else load_hybrid_config(workdir)
     if lam is not None:
-        config.lam = lam
+        config.lam, config.source = lam, "flag"
     return HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint, **options), config)

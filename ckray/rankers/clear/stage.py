@@ -43,9 +43,9 @@ def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_index(args: argparse.Namespace) -> dict:
     """Embed the corpus with a CLEAR checkpoint, build W/dense/index and tune the hybrid λ_test on
     the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
-    ``lambda`` (None when the collection has no such split)."""
+    ``lambda`` (without such a split: the λ saved with the checkpoint, ``ckray.deploy``; None when none)."""
     from ckray.data.collections import read_queries_and_qrels
-    from ckray.rankers.clear.dense import EmbedConfig, IndexConfig, build_dense_index, tune_hybrid
+    from ckray.rankers.clear.dense import EmbedConfig, IndexConfig, build_dense_index, carry_hybrid, tune_hybrid
     from ckray.ray_env import init_ray
 
     checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
@@ -66,6 +66,10 @@ def build_index(args: argparse.Namespace) -> dict:
             tune_qrels = qrels[args.tune_split]
         config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint)
         summary.update({"lambda": config.lam, "tune_queries": len(split_q), "tune_split": args.tune_split})
+    else:  # no training queries here: the λ tuned where the model was trained, when saved with it
+        config = carry_hybrid(args.workdir, checkpoint)
+        if config is not None:
+            summary.update({"lambda": config.lam, "lambda_source": config.source})
     return summary
 
 
@@ -73,7 +77,9 @@ def report(summary: dict) -> None:
     """What ``jobs/build_dense_index.py`` prints: the embedding job's summary, then λ_test if tuned."""
     summary = dict(summary)
     lam = summary.pop("lambda")
-    tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split") if k in summary}
+    tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split", "lambda_source") if k in summary}
     print(f"embedding job: {summary}")
-    if lam is not None:
+    if lam is not None and "lambda_source" in tuned:
+        print(f"λ_test = {lam} (no training queries here: carried from {tuned['lambda_source']})")
+    elif lam is not None:
         print(f"λ_test = {lam} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
