@@ -74,13 +74,19 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth),
                                  **interpolation_stamps(workdir, first, reranker))
     save_interpolation(workdir, first, reranker, config)
+    save_with_checkpoint(workdir, first, reranker, config)
+    return config
+
+
+def save_with_checkpoint(workdir: str, first: str, reranker: str, config) -> None:
+    """Save a ``w`` tuned in ``workdir`` with the reranker's checkpoint (``ckray.deploy``), for
+    collections without training queries."""
     from ckray.deploy import save_fusion_weight
     from ckray.pipelines import checkpoint_dir
 
     save_fusion_weight(checkpoint_dir(workdir, reranker), first, {
         "weight": config.weight, "depth": config.depth,
         "tuned_on": {"workdir": str(Path(workdir).resolve()), "dev_queries": config.dev_queries}})
-    return config
 
 
 def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: int):
@@ -128,6 +134,12 @@ def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], q
             tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split)
         else:
             tuned = carry_interpolation(workdir, first, reranker, rerank_depth)
+    elif not tuned.source:  # tuned here before checkpoints carried their settings: saved with it now
+        from ckray.deploy import read_deploy
+        from ckray.pipelines import checkpoint_dir
+
+        if first not in (read_deploy(checkpoint_dir(workdir, reranker)).get("fusion") or {}):
+            save_with_checkpoint(workdir, first, reranker, tuned)
     return tuned
 
 

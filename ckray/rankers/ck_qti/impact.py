@@ -193,6 +193,143 @@ class ImpactConfig(ActorPoolConfig):
         return settings
 
 
+def deployed_impact_settings(checkpoint: str | os.PathLike, top_k: int | None = None,
+                             explicit_weight: float | None = None) -> tuple[int, float, str | None]:
+    """``(top_k, explicit_weight, source)``: each given value, else the one saved with the checkpoint
+    (``ckray.deploy``: tuned on its training collection's held-out queries), else ``ImpactConfig``'s
+    default. ``source`` names the checkpoint's deploy.json when a value came from it, else None."""
+    from ckray.deploy import read_deploy, source_of
+
+    carried = read_deploy(checkpoint).get("impact") or {}
+    used = [name for name, given in (("top_k", top_k), ("explicit_weight", explicit_weight))
+            if given is None and name in carried]
+    return (int(top_k if top_k is not None else carried.get("top_k", ImpactConfig.top_k)),
+            float(explicit_weight if explicit_weight is not None
+                  else carried.get("explicit_weight", ImpactConfig.explicit_weight)),
+            source_of(checkpoint) if used else None)
+
+
+# =============================================================================================
+# Collection statistics of the corpus being indexed
+# =============================================================================================
+
+STATS_FILE = "corpus_stats.npz"
+
+
+def cached_corpus_statistics(workdir: str | os.PathLike, config: Any):
+    """``ckray.rankers.ck_qti.model.corpus_statistics`` of ``workdir``'s corpus (streamed from its
+    shards, tokenised as ``config``'s encoder and ``max_doc_len`` do), kept in ``W/impact/corpus_stats.npz``
+    for the corpus manifest and tokenisation it was computed for."""
+    import torch
+
+    from ckray.rankers.ck_qti.model import CorpusStats, corpus_statistics
+    from ckray.data.shards import iter_doc_texts
+
+    key = json.dumps({"corpus_sha256": read_manifest(workdir).get("input_sha256"), "encoder": config.encoder,
+                      "vocab_size": config.vocab_size, "max_doc_len": config.max_doc_len}, sort_keys=True)
+    path = impact_root(workdir) / STATS_FILE
+    if path.exists():
+        with np.load(path) as saved:
+            if str(saved["key"]) == key:
+                return CorpusStats(torch.from_numpy(saved["doc_freq"]), int(saved["n_docs"]),
+                                   float(saved["mean_doc_len"]))
+    stats = corpus_statistics(iter_doc_texts(workdir), config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
+    np.savez(tmp, key=key, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs, mean_doc_len=stats.mean_doc_len)
+    os.replace(tmp, path)
+    return stats
+
+
+def has_corpus(workdir: str | os.PathLike) -> bool:
+    """Whether ``workdir`` holds prepared corpus shards (a manifest)."""
+    from ckray.data.shards import MANIFEST, shards_dir
+
+    return (shards_dir(workdir) / MANIFEST).exists()
+
+
+def training_mean_doc_len(checkpoint: str | os.PathLike, model: Any) -> float | None:
+    """The mean document length of the corpus ``model`` was trained on: recorded with the checkpoint
+    (``ckray.deploy``, ``corpus``), else that of the work directory the checkpoint lies in
+    (``<W>/checkpoints/<name>``) when its corpus reproduces the checkpoint's IDF exactly; else None."""
+    import torch
+
+    from ckray.deploy import read_deploy
+    from ckray.rankers.ck_qti.model import bm25_idf
+
+    recorded = read_deploy(checkpoint).get("corpus") or {}
+    if "mean_doc_len" in recorded:
+        return float(recorded["mean_doc_len"])
+    home = Path(checkpoint).resolve().parent.parent
+    if not has_corpus(home):
+        return None
+    stats = cached_corpus_statistics(home, model.config)
+    if torch.equal(bm25_idf(stats.doc_freq, stats.n_docs), model.idf.cpu()):
+        return stats.mean_doc_len
+    return None
+
+
+@dataclass
+class CorpusAdaptation:
+    """The explicit match (Eq. 9) of a checkpoint set to the statistics of the corpus being indexed, as
+    BM25 takes its IDF and average length from the collection it searches: IDF from the target's
+    document frequencies, and the running E[|d|] of Eq. 10 multiplied by ``length_scale`` = the target's
+    mean length over the training corpus's, so |d| is normalised relative to the target's average as
+    it was to the training corpus's. On the training corpus nothing changes (``changed`` is False)."""
+
+    doc_freq: np.ndarray | None = None   # None: IDF as trained
+    n_docs: int = 0
+    length_scale: float = 1.0
+    mean_doc_len: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return self.doc_freq is not None or self.length_scale != 1.0
+
+    def apply(self, model: Any) -> Any:
+        """Set ``model``'s IDF and E[|d|] (in place); returns it."""
+        import torch
+
+        if self.doc_freq is not None:
+            model.set_idf(torch.as_tensor(self.doc_freq), self.n_docs)
+        if self.length_scale != 1.0:
+            with torch.no_grad():
+                model.bs_len.running_mean.mul_(self.length_scale)
+        return model
+
+    def stamp(self) -> dict:
+        """What shard stamps record: nothing when the statistics are the training corpus's (stamps of
+        indexes built before stay valid), else the target's statistics."""
+        if not self.changed:
+            return {}
+        df = hashlib.sha256(np.ascontiguousarray(self.doc_freq).tobytes()).hexdigest() if self.doc_freq is not None else None
+        return {"corpus_statistics": {"n_docs": self.n_docs, "doc_freq_sha256": df, "mean_doc_len": self.mean_doc_len,
+                                      "length_scale": self.length_scale}}
+
+
+def corpus_adaptation(workdir: str | os.PathLike, checkpoint: str | os.PathLike, model: Any = None) -> CorpusAdaptation:
+    """How ``checkpoint``'s explicit match is set for ``workdir``'s corpus (:class:`CorpusAdaptation`).
+    The target's IDF replaces the checkpoint's when they differ; its mean length rescales E[|d|] when
+    the training corpus's is known (:func:`training_mean_doc_len`; else lengths stay as trained, logged)."""
+    import torch
+
+    from ckray.rankers.ck_qti.model import bm25_idf, load_ck_model
+
+    model = model if model is not None else load_ck_model(checkpoint)
+    target = cached_corpus_statistics(workdir, model.config)
+    if torch.equal(bm25_idf(target.doc_freq, target.n_docs), model.idf.cpu()):
+        return CorpusAdaptation(mean_doc_len=target.mean_doc_len)
+    source_len = training_mean_doc_len(checkpoint, model)
+    if source_len is None:
+        log.warning("%s: the mean document length of its training corpus is not known; IDF is taken from %s, "
+                    "length normalisation stays as trained", checkpoint, workdir)
+    scale = target.mean_doc_len / source_len if source_len else 1.0
+    log.info("CK-QTI explicit match set to %s's corpus: IDF of %d documents, mean length %.1f (training %s)",
+             workdir, target.n_docs, target.mean_doc_len, f"{source_len:.1f}" if source_len else "unknown")
+    return CorpusAdaptation(doc_freq=target.doc_freq.numpy(), n_docs=target.n_docs, length_scale=scale,
+                            mean_doc_len=target.mean_doc_len)
+
+
 # =============================================================================================
 # Scoring documents (no Ray here: used by the actors, by tests and by the bench)
 # =============================================================================================
@@ -347,11 +484,14 @@ class ImpactScorer:
     """
 
     def __init__(self, checkpoint: str, config: dict, use_gpu: bool = False, threads: int = 0,
-                 crash_once: str | None = None):
+                 crash_once: str | None = None, corpus: CorpusAdaptation | None = None):
         from ckray.rankers.ck_qti.model import load_ck_model
 
         device = actor_device(use_gpu, threads)
-        model = load_ck_model(checkpoint, map_location="cpu").to(device).eval()
+        model = load_ck_model(checkpoint, map_location="cpu")
+        if corpus is not None:
+            corpus.apply(model)
+        model = model.to(device).eval()
         self.scorer = TermImpactScorer(model, ImpactConfig(**config))
         self.crash_once = crash_once
 
@@ -434,8 +574,9 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
     digest = checkpoint_digest(checkpoint)
     manifest = read_manifest(workdir)
     sources = shard_paths(workdir)
-    stamps = {s.name: _shard_stamp(s, pq.read_metadata(s).num_rows, manifest, digest, config.scoring_settings())
-              for s in sources}
+    corpus = corpus_adaptation(workdir, checkpoint)  # this corpus's IDF and mean length
+    settings = {**config.scoring_settings(), **corpus.stamp()}
+    stamps = {s.name: _shard_stamp(s, pq.read_metadata(s).num_rows, manifest, digest, settings) for s in sources}
 
     def write(path: Path, ids: list[str], vectors: list[tuple[np.ndarray, np.ndarray]], stamp: dict) -> None:
         write_impact_shard(path, impact_table(ids, [v[0] for v in vectors], [v[1] for v in vectors]), stamp)
@@ -448,9 +589,10 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
         what="impact scoring", sources=sources, out_dir=impact_shards_dir(workdir), stamps=stamps,
         actor=ImpactScorer,
         actor_kwargs={"checkpoint": checkpoint, "config": asdict(config), "use_gpu": config.use_gpu,
-                      "threads": config.torch_threads, "crash_once": crash_once},
+                      "threads": config.torch_threads, "crash_once": crash_once,
+                      "corpus": corpus if corpus.changed else None},
         pool=config, payloads=payloads, write=write, batch_format="pyarrow"))
-    return {**summary, "actors": config.actors, "checkpoint_sha256": digest}
+    return {**summary, "actors": config.actors, "checkpoint_sha256": digest, **corpus.stamp()}
 
 
 def verify_impact_shards(workdir: str | os.PathLike) -> int:
@@ -555,9 +697,12 @@ def _directory_size(path: Path) -> int:
 
 
 def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-                       config: ImpactConfig | None = None, *, crash_once: str | None = None) -> dict:
+                       config: ImpactConfig | None = None, *, crash_once: str | None = None,
+                       settings_source: str | None = None) -> dict:
     """The whole job: impact shards (Ray), the exactly-once check, JSON lines, the Lucene impact index
-    with its metadata. Each step is skipped when its output is up to date. Returns a summary."""
+    with its metadata (``settings_source``: where top-k and β came from when not from flags or
+    defaults, ``deployed_impact_settings``). Each step is skipped when its output is up to date.
+    Returns a summary."""
     from ckray.lexical.bm25 import index_json_collection
 
     config = config or ImpactConfig()
@@ -575,12 +720,15 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
     index = impact_index_dir(workdir)
     meta = {
         "checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": summary["checkpoint_sha256"],
-        **config.scoring_settings(), "scale": scale, "quant_max": config.quant_max, "max_weight": max_weight,
+        **config.scoring_settings(), **{k: summary[k] for k in ("corpus_statistics",) if k in summary},
+        "scale": scale, "quant_max": config.quant_max, "max_weight": max_weight,
         "documents": documents, "empty_vectors": empty, "term_prefix": TERM_PREFIX,
         "encoder": payload["config"].get("encoder"), "max_query_len": payload["config"].get("max_query_len"),
         "format": FORMAT_VERSION,
         "jsonl_sha256": _jsonl_digest(workdir),
     }
+    if settings_source is not None:
+        meta["settings_source"] = settings_source
     if (index / META_FILE).exists() and read_json(index / META_FILE) == meta:
         log.info("impact index %s is up to date", index)
         summary["index_built"] = False
@@ -666,6 +814,12 @@ class ImpactRetriever:
 
         # query_encoder=None: Pyserini splits "t12 t12 t845" on spaces and counts (TokFreqQueryEncoder)
         self._searcher = LuceneImpactSearcher(str(self.index_dir), query_encoder=None, min_idf=-math.inf)
+
+    @property
+    def settings(self) -> dict:
+        """The index's top-k and β and where they came from (what an evaluation records)."""
+        return {"impact": {"top_k": self.meta.get("top_k"), "explicit_weight": self.meta.get("explicit_weight", 0.0),
+                           "source": self.meta.get("settings_source", "flags or defaults of the index job")}}
 
     def query_terms(self, queries: Sequence[str]) -> list[dict[str, int]]:
         """Each query's bag of word-piece terms: ``{"t<id>": count}`` (training's tokenisation)."""

@@ -38,8 +38,8 @@ import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
 from ckray.fusion import Run
-from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, impact_score, impact_shards_dir, impact_vector,
-                                query_term_counts)
+from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, deployed_impact_settings, impact_score,
+                                        impact_shards_dir, impact_vector, query_term_counts)
 
 log = logging.getLogger(__name__)
 Vector = dict[int, float]
@@ -107,7 +107,7 @@ class ImpactReranker:
     checkpoint: str
     workdir: str
     doc_text: Callable[[str], str]
-    config: ImpactConfig = field(default_factory=ImpactConfig)
+    config: ImpactConfig | None = None   # None: top-k and β saved with the checkpoint, else the defaults
     cache_documents: int = 100_000   # computed vectors kept (least recently used dropped first)
     _vectors: "OrderedDict[str, Vector]" = field(default_factory=OrderedDict, init=False, repr=False)
     _scorer: Any = field(default=None, init=False, repr=False)
@@ -116,6 +116,11 @@ class ImpactReranker:
         from ckray.models.checkpoint import checkpoint_digest
 
         model_config = _check_checkpoint(self.checkpoint)["config"]
+        self.settings_source = "given"
+        if self.config is None:
+            top_k, beta, source = deployed_impact_settings(self.checkpoint)
+            self.config = ImpactConfig(top_k=top_k, explicit_weight=beta)
+            self.settings_source = source or "ImpactConfig defaults"
         self.max_query_len = int(model_config.get("max_query_len", 30))
         self.encoder = model_config.get("encoder")
         self.shards = shards_for_checkpoint(self.workdir, checkpoint_digest(self.checkpoint))
@@ -131,13 +136,26 @@ class ImpactReranker:
     def source(self) -> str:
         return "shards" if self.shards else "model"
 
+    @property
+    def settings(self) -> dict:
+        """The top-k and β of the impact vectors and where they came from (what an evaluation records)."""
+        if self.shards:
+            marker = read_json(marker_path(self.shards[0]))
+            return {"reranker_impact": {"top_k": marker.get("top_k"), "explicit_weight": marker.get("explicit_weight", 0.0),
+                                        "source": f"impact shards {impact_shards_dir(self.workdir)}"}}
+        return {"reranker_impact": {"top_k": self.config.top_k, "explicit_weight": self.config.explicit_weight,
+                                    "source": self.settings_source}}
+
     def _compute(self, doc_ids: list[str]) -> None:
         if self._scorer is None:
             from ckray.device import default_device
-            from ckray.rankers.ck_qti.impact import TermImpactScorer
+            from ckray.rankers.ck_qti.impact import TermImpactScorer, corpus_adaptation, has_corpus
             from ckray.rankers.ck_qti.model import load_ck_model
 
-            model = load_ck_model(self.checkpoint).to(default_device()).eval()
+            model = load_ck_model(self.checkpoint)
+            if has_corpus(self.workdir):  # the explicit match with this corpus's IDF and mean length
+                corpus_adaptation(self.workdir, self.checkpoint, model).apply(model)
+            model = model.to(default_device()).eval()
             self._scorer = TermImpactScorer(model, self.config)
         for doc_id, (terms, weights) in zip(doc_ids, self._scorer.score_texts([self.doc_text(d) for d in doc_ids])):
             self._vectors[doc_id] = impact_vector(terms, weights)

