@@ -18,8 +18,6 @@ evaluates through the same calls. Ray starts on first use (``$RAY_ADDRESS`` or a
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -42,32 +40,6 @@ def prepare(data: PathLike, workdir: PathLike, shards: int = 4, train_split: str
                               negative_depth=negative_depth)
 
 
-def _job_args(stage: str, data: PathLike, workdir: PathLike, flags: Mapping[str, Any]) -> argparse.Namespace:
-    """The namespace the stage's job parser makes of ``--data data --workdir workdir``, with ``flags``
-    (destination → value) over its defaults; an unknown name is refused, listing the known ones."""
-    from ckray.stages import parse_stage_args
-
-    args = parse_stage_args(stage, ["--data", str(data), "--workdir", str(workdir)])
-    unknown = sorted(set(flags) - set(vars(args)))
-    if unknown:
-        raise ConfigError(f"{stage}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(vars(args)))}")
-    vars(args).update(flags)
-    return args
-
-
-def _loop_flags(loop: "TrainConfig | Mapping[str, Any] | None") -> dict[str, Any]:
-    """Training-loop settings as the job's ``train_<field>`` destinations. A mapping sets the fields it
-    names; a ``TrainConfig`` sets the fields that differ from ``TrainConfig()``'s (the others keep the
-    ranker's own defaults, e.g. CK-QTI's learning rate)."""
-    if loop is None:
-        return {}
-    if not isinstance(loop, Mapping):
-        base = type(loop)()
-        loop = {f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)
-                if getattr(loop, f.name) != getattr(base, f.name)}
-    return {f"train_{name}": value for name, value in loop.items()}
-
-
 def train(ranker: str, data: PathLike, workdir: PathLike, options: Any = None,
           loop: "TrainConfig | Mapping[str, Any] | None" = None, **data_options: Any) -> "TrainResult":
     """Train ``ranker`` (a registered name, e.g. ``"ck-qti"``) on ``data``'s training queries into
@@ -75,15 +47,15 @@ def train(ranker: str, data: PathLike, workdir: PathLike, options: Any = None,
 
     ``options``: the ranker's typed training options (``spec.training.options``; None: its defaults).
     ``loop``: training-loop settings (``TrainConfig`` fields). ``data_options``: the training-data
-    settings of the job's flags by destination (``max_dev_queries=5``, ``data_split="train"``, …).
+    settings, ``TrainingDataConfig`` fields (``max_dev_queries=5``, ``split="train"``, …).
     A run already at its step count is not trained again."""
     from ckray.options import options_from_args
     from ckray.rankers import resolve
-    from ckray.stages import training_stage
+    from ckray.stages import stage_args, training_stage
 
     stage = training_stage(ranker)
     cls = resolve(stage.options)
-    args = _job_args(f"train:{ranker}", data, workdir, {**data_options, **_loop_flags(loop)})
+    args = stage_args(f"train:{ranker}", data, workdir, data_options=data_options, loop=loop)
     if options is None:
         options = options_from_args(cls, args)
     elif not isinstance(options, cls):
@@ -95,10 +67,11 @@ def build_index(ranker: str, data: PathLike, workdir: PathLike, **options: Any) 
     """Build ``ranker``'s index in ``workdir`` (its ``jobs/build_*_index.py``); ``options``: the job's
     flags by destination (``top_k=64``, ``checkpoint=...``). Returns the job's summary."""
     from ckray.rankers import indexed
+    from ckray.stages import stage_args
 
     if ranker not in indexed():
         raise ConfigError(f"ranker {ranker!r} has no index; rankers with one: {', '.join(indexed())}")
-    return indexed()[ranker].index.build(_job_args(f"index:{ranker}", data, workdir, options))
+    return indexed()[ranker].index.build(stage_args(f"index:{ranker}", data, workdir, options=options))
 
 
 def evaluate(pipelines: list[str] | str, data: PathLike, workdir: PathLike, split: str = "test", k: int = 1000,
@@ -113,3 +86,17 @@ def evaluate(pipelines: list[str] | str, data: PathLike, workdir: PathLike, spli
     names = [pipelines] if isinstance(pipelines, str) else list(pipelines)
     return evaluate_pipelines(EvaluateConfig(data=str(data), workdir=str(workdir), pipelines=names, split=split,
                                              k=k, rerank_depth=rerank_depth, lam=lam, fusion_weight=fusion_weight))
+
+
+def benchmark(data: list[PathLike], checkpoints: PathLike, pipelines: list[str] | str = "bm25",
+              workdir_root: PathLike = "benchmark", **options: Any) -> dict:
+    """Zero-shot evaluation of ``pipelines`` over the collections ``data`` with the checkpoints under
+    ``checkpoints`` (a training ``W/checkpoints``), as ``jobs/benchmark.py``: a work directory per
+    collection under ``workdir_root``, the table as benchmark.md/.json/.png there. ``options``:
+    ``ckray.benchmark.BenchmarkConfig`` fields (``split``, ``rerank_depth``, ``index_options`` …).
+    Returns the table (``{"measure", "collections", "rows": {pipeline: {collection: value, "mean"}}}``)."""
+    from ckray.benchmark import BenchmarkConfig, run_benchmark
+
+    names = [pipelines] if isinstance(pipelines, str) else list(pipelines)
+    return run_benchmark(BenchmarkConfig(data=[str(d) for d in data], checkpoints=str(checkpoints),
+                                         workdir_root=str(workdir_root), pipelines=names, **options))

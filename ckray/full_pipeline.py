@@ -27,47 +27,72 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from ckray.errors import ConfigError
+from ckray.options import option
 
 if TYPE_CHECKING:
+    import argparse
+
     from ckray.evaluation import EvaluateConfig
 
 log = logging.getLogger(__name__)
 
-# Training settings of the main pipeline, per model: a few steps, small batches, short inputs, so
-# the bundled sample trains every model in about a minute each on 2 CPU cores. Flags of the
-# model's job (ckray/rankers/<model>/stage.py, jobs/train_*.py); --max-steps comes from `steps` or the override.
-MODEL_DEFAULTS: dict[str, dict] = {
-    "ck-qti": {"steps": 30, "flags": ["--batch-size", "4", "--layers", "1", "--max-doc-len", "256"]},
-    "clear": {"steps": 20, "flags": ["--batch-size", "2", "--doc-max-len", "128", "--lr", "5e-5"]},
-    "cedr-knrm": {"steps": 20, "flags": ["--batch-size", "2", "--max-length", "128", "--max-segments", "1",
-                                         "--lr", "1e-4"]},
-    "qds": {"steps": 20, "flags": ["--batch-size", "2", "--max-length", "128", "--window", "32", "--lr", "1e-4"]},
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How the main job trains one ranker, by field name: ``loop`` (``TrainConfig`` fields; ``max_steps``
+    is the step count that ``--max-steps`` overrides) and ``options`` (fields of the ranker's training
+    options, ``spec.training.options``)."""
+
+    loop: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+# The main job's training, per model: a few steps, small batches, short inputs, so the bundled sample
+# trains every model in about a minute each on 2 CPU cores. A registered ranker without an entry trains
+# with its own job's defaults.
+MODEL_DEFAULTS: dict[str, ModelRecipe] = {
+    "ck-qti": ModelRecipe(loop={"max_steps": 30, "batch_size": 4}, options={"layers": 1, "max_doc_len": 256}),
+    "clear": ModelRecipe(loop={"max_steps": 20, "batch_size": 2, "lr": 5e-5}, options={"doc_max_len": 128}),
+    "cedr-knrm": ModelRecipe(loop={"max_steps": 20, "batch_size": 2, "lr": 1e-4},
+                             options={"max_length": 128, "max_segments": 1}),
+    "qds": ModelRecipe(loop={"max_steps": 20, "batch_size": 2, "lr": 1e-4}, options={"max_length": 128, "window": 32}),
 }
 # Every model: validate on 5 held-back training queries (BM25 top 10) at the start and the end only.
-TRAIN_FLAGS = ["--eval-every", "0", "--max-dev-queries", "5", "--dev-depth", "10", "--log-every", "5",
-               "--warmup-steps", "2"]
-IMPACT_FLAGS = ["--top-k", "64", "--expansion-candidates", "64"]
+DEMO_LOOP = {"eval_every": 0, "log_every": 5, "warmup_steps": 2}
+DEMO_DATA = {"max_dev_queries": 5, "dev_depth": 10}
+# CK-QTI's impact index in the main job: index options by field name (jobs/build_impact_index.py's flags)
+DEMO_IMPACT = {"top_k": 64, "expansion_candidates": 64}
 
 MODEL_ORDER = list(MODEL_DEFAULTS)
 
 
+def comma_list(text: str) -> list[str]:
+    """``"ck-qti, clear"`` → ``["ck-qti", "clear"]``; ``""`` → ``[]``."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 @dataclass
 class FullPipelineConfig:
+    """The main job's settings; each field declared with :func:`~ckray.options.option` is a flag of
+    ``jobs/pipeline.py``."""
+
     workdir: str
-    data: str | None = None
-    split: str = "test"
-    models: list[str] | None = None        # None: every model in MODEL_DEFAULTS
-    workers: int = 2
-    use_gpu: bool = False
-    max_steps: int | None = None            # overrides every model's step count
-    shards: int = 4
-    rerank_depth: int = 10
-    train_split: str = "train"
-    reevaluate: bool = False               # evaluate every pipeline even when its inputs are unchanged
-    flags: dict[str, list[str]] = field(default_factory=dict)   # extra job flags per model (last wins)
+    data: str | None = option(None, "collection directory (default: generate the bundled sample)")
+    split: str = option("test", "qrels split the pipelines are evaluated on")
+    train_split: str = option("train", "qrels split the models are trained (and λ tuned) on")
+    models: list[str] | None = option(None, "comma-separated models to train and index (default: all of "
+                                            f"{','.join(MODEL_DEFAULTS)}; '' for none)", parse=comma_list)
+    workers: int = option(2, "Ray Train workers per model")
+    use_gpu: bool = option(False, "one GPU per training worker and index actor")
+    max_steps: int | None = option(None, "training steps of every model (default: per model, " + ", ".join(
+        f"{m} {r.loop['max_steps']}" for m, r in MODEL_DEFAULTS.items()) + ")")
+    shards: int = option(4, "corpus shards")
+    rerank_depth: int = option(10, "first-stage documents each reranker rescores")
+    reevaluate: bool = option(False, "evaluate every pipeline again, even those whose inputs did not change")
+    # per model, settings over its recipe's (ModelRecipe: loop and ranker options by field name)
+    recipes: dict[str, ModelRecipe] = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -222,17 +247,18 @@ def evaluate_or_reuse(data: str, workdir: str | Path, pipelines: list[str], spli
     return {n: results[n] for n in pipelines}, [n for n in pipelines if n in todo]
 
 
-def _train_argv(config: FullPipelineConfig, data: str, model: str) -> list[str]:
-    """The training job's flags of ``model`` in the main job: ``MODEL_DEFAULTS``' (a registered ranker
-    without an entry there trains with its own job's defaults), then ``config``'s."""
-    d = MODEL_DEFAULTS.get(model, {"flags": []})
-    steps = config.max_steps if config.max_steps is not None else d.get("steps")
-    argv = ["--data", data, "--workdir", str(config.workdir), "--train-split", config.train_split,
-            "--workers", str(config.workers), *(["--max-steps", str(steps)] if steps else []), *TRAIN_FLAGS,
-            *d["flags"]]
-    if config.use_gpu:
-        argv.append("--use-gpu")
-    return argv + list(config.flags.get(model, []))
+def _train_args(config: FullPipelineConfig, data: str, model: str) -> "argparse.Namespace":
+    """The training job's settings of ``model`` in the main job: its recipe in ``MODEL_DEFAULTS``, then
+    ``config``'s (workers, step count, GPU, its ``recipes`` entry)."""
+    from ckray.stages import stage_args
+
+    base, extra = MODEL_DEFAULTS.get(model, ModelRecipe()), config.recipes.get(model, ModelRecipe())
+    loop = {**DEMO_LOOP, **base.loop, "workers": config.workers, **({"use_gpu": True} if config.use_gpu else {})}
+    if config.max_steps is not None:
+        loop["max_steps"] = config.max_steps
+    return stage_args(f"train:{model}", data, config.workdir, loop={**loop, **extra.loop},
+                      options={**base.options, **extra.options},
+                      data_options={**DEMO_DATA, "split": config.train_split})
 
 
 def run_full_pipeline(config: FullPipelineConfig) -> str:
@@ -242,7 +268,7 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     from ckray.ray_env import init_ray
     from ckray.report import write_report
     from ckray.rankers import indexed
-    from ckray.stages import check_training_flags, parse_stage_args, run_stage
+    from ckray.stages import check_training_flags, run_stage, stage_args
 
     models = config.selected_models()
     workdir = Path(config.workdir)
@@ -255,7 +281,7 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
 
         data = str(generate_sample(workdir / "sample-data"))  # deterministic: same bytes every time
         log.info("generated the bundled sample collection in %s", data)
-    train_args = {m: parse_stage_args(f"train:{m}", _train_argv(config, data, m)) for m in models}
+    train_args = {m: _train_args(config, data, m) for m in models}
     for model, args in train_args.items():
         check_training_flags(model, args)  # before Ray starts: a bad --max-steps fails now, not after prepare
     init_ray()
@@ -285,18 +311,18 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
                  if training[model]["trained"] else f"already trained ({result.steps} steps): skipped")
 
     index: dict[str, dict] = {}
-    gpu = ["--use-gpu"] if config.use_gpu else []
+    gpu = {"use_gpu": True} if config.use_gpu else {}
     if "ck-qti" in models:
         with _stage(timings, did_work, "index ck-qti (impact)") as stage:
-            argv = ["--data", data, "--workdir", str(workdir), *IMPACT_FLAGS] + gpu
-            s = indexed()["ck-qti"].index.build(parse_stage_args("index:ck-qti", argv))
+            args = stage_args("index:ck-qti", data, workdir, options={**DEMO_IMPACT, **gpu})
+            s = indexed()["ck-qti"].index.build(args)
             index["ck-qti"] = {"documents": s.get("total_documents"), "shards_scored": s.get("shards_written"),
                                "shards_skipped": s.get("shards_skipped"), "index_built": s.get("index_built")}
             stage.did_work = bool(s.get("shards_written") or s.get("index_built"))
     if "clear" in models:
         with _stage(timings, did_work, "index clear (dense + λ)") as stage:
-            argv = ["--data", data, "--workdir", str(workdir), "--tune-split", config.train_split] + gpu
-            s = indexed()["clear"].index.build(parse_stage_args("index:clear", argv))
+            args = stage_args("index:clear", data, workdir, options={"tune_split": config.train_split, **gpu})
+            s = indexed()["clear"].index.build(args)
             index["clear"] = {"shards_embedded": s.get("shards_written"), "shards_skipped": s.get("shards_skipped"),
                               "lambda": s.get("lambda"), "tune_queries": s.get("tune_queries")}
             stage.did_work = bool(s.get("shards_written"))  # embedding is the work; the flat index and λ are redone

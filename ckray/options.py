@@ -20,21 +20,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, Callable
 
 from ckray.errors import ConfigError
 
 
-def option(default: Any, help: str, choices: tuple | None = None, flag: str | None = None) -> Any:
-    """A dataclass field declaring one flag: its default, help and (optionally) its allowed values and a
-    flag name other than ``--<field-name>``."""
-    metadata = {"help": help, **({"choices": choices} if choices else {}), **({"flag": flag} if flag else {})}
-    return dataclasses.field(default=default, metadata=metadata)
+def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None,
+           flag: str | None = None, *, default_factory: Any = dataclasses.MISSING,
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field declaring one flag: its default (or ``default_factory``), help and, optionally,
+    its allowed values, a flag name other than ``--<field-name>``, a parser of the flag's text other
+    than the field's type (``parse``) and the value's name in ``--help`` (``metavar``)."""
+    metadata = {"help": help, **({"choices": choices} if choices else {}), **({"flag": flag} if flag else {}),
+                **({"parse": parse} if parse else {}), **({"metavar": metavar} if metavar else {})}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 def flag_of(f: dataclasses.Field) -> str:
     """The flag of a field: ``metadata["flag"]`` or ``--`` + its name with dashes."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def flag_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are flags (declared with :func:`option`; the others are set by code)."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def flags_of(cls: type) -> dict[str, str]:
+    """Field name → flag, for every flag of ``cls`` (what :meth:`ConfigError.for_flags` needs)."""
+    return {f.name: flag_of(f) for f in flag_fields(cls)}
 
 
 def _value_type(cls: type, f: dataclasses.Field) -> type:
@@ -44,36 +58,54 @@ def _value_type(cls: type, f: dataclasses.Field) -> type:
     return args[0] if args else hint
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = None,
-                defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+                defaults: dict[str, Any] | None = None, dest_prefix: str = "",
+                unset_is_none: bool = False) -> argparse.ArgumentParser:
     """Add one flag per field of the options dataclass ``cls`` (in an argument group ``title``);
-    ``defaults`` replace fields' defaults (a job's own choices). Returns ``parser``."""
+    ``defaults`` replace fields' defaults (a job's own choices). Each flag's destination is
+    ``dest_prefix`` + the field's name. With ``unset_is_none`` a flag not given parses to None (the
+    default is only shown in ``--help``), so a later layer can tell "not given" from "given as the
+    default" (:func:`options_from_args` skips the Nones). Returns ``parser``."""
     group = parser.add_argument_group(title) if title else parser
-    for f in dataclasses.fields(cls):
-        if "help" not in f.metadata:
-            continue  # not a flag (set by code)
-        default = (defaults or {}).get(f.name, f.default)
+    for f in flag_fields(cls):
+        default = (defaults or {}).get(f.name, _default(f))
         kind = _value_type(cls, f)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+        help_text = f.metadata["help"]
+        if unset_is_none:
+            shown = default if isinstance(default, str) and default else repr(default)
+            if "(default:" not in help_text:   # a help that says its default itself keeps it
+                help_text = f"{help_text} (default: {shown})"
+            default = None
+        kwargs: dict[str, Any] = {"dest": dest_prefix + f.name, "default": default, "help": help_text}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = f.metadata.get("parse", kind)
+            kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
             if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
+                kwargs.update(choices=f.metadata["choices"], metavar=None)
         group.add_argument(flag_of(f), **kwargs)
     return parser
 
 
-def options_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
-    """The options dataclass ``cls`` from parsed flags (fields without a flag keep their default); an
-    invalid value (the dataclass's ``__post_init__`` raising ``ConfigError.invalid``) names its flag."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-              if "help" in f.metadata and hasattr(args, f.name)}
+def options_from_args(cls: type, args: argparse.Namespace, dest_prefix: str = "", **overrides: Any) -> Any:
+    """The options dataclass ``cls`` from parsed flags (destinations ``dest_prefix`` + field name) over
+    ``overrides``' values, which apply where a flag parsed to None or is absent (a job's own defaults,
+    with :func:`add_options`'s ``unset_is_none``); the dataclass's defaults fill the rest. An invalid
+    value (``__post_init__`` raising ``ConfigError.invalid``) names its flag."""
+    values = dict(overrides)
+    for f in flag_fields(cls):
+        value = getattr(args, dest_prefix + f.name, None)
+        if value is not None:
+            values[f.name] = value
     try:
-        return cls(**{**values, **overrides})
+        return cls(**values)
     except ConfigError as e:
-        raise e.for_flags({f.name: flag_of(f) for f in dataclasses.fields(cls)}) from None
+        raise e.for_flags(flags_of(cls)) from None
 
 
 def namespace(*options: Any, **values: Any) -> argparse.Namespace:

@@ -15,11 +15,16 @@ Every stage skips finished work: a training run already at ``--max-steps`` is no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ckray.errors import ConfigError
 from ckray.rankers import TrainingStage, indexed, trainable
+
+if TYPE_CHECKING:
+    from ckray.training import TrainConfig
 
 
 def add_actor_pool_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -77,6 +82,38 @@ def parse_stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv`` with a stage's job parser (see :func:`stage_parser`); unset flags get the job's
     defaults."""
     return stage_parser(stage).parse_args(argv)
+
+
+def stage_args(stage: str, data: str | os.PathLike, workdir: str | os.PathLike, *,
+               options: Mapping[str, Any] | None = None, loop: "TrainConfig | Mapping[str, Any] | None" = None,
+               data_options: Mapping[str, Any] | None = None) -> argparse.Namespace:
+    """The namespace a stage's job parser makes of ``--data data --workdir workdir``, with typed settings
+    over its defaults, each by field name: ``options`` (the ranker's training options, or an index job's
+    flags), ``loop`` (``TrainConfig`` fields, or a ``TrainConfig``: the fields that differ from
+    ``TrainConfig()``'s) and ``data_options`` (``TrainingDataConfig`` fields). An unknown name is refused,
+    listing the known ones. This is how ``ckray.api`` and the main job run a stage without a command line."""
+    from ckray.train_job import DATA_DEST_PREFIX
+    from ckray.training.flags import DEST_PREFIX
+
+    args = parse_stage_args(stage, ["--data", str(data), "--workdir", str(workdir)])
+    if loop is not None and not isinstance(loop, Mapping):
+        base = type(loop)()
+        loop = {f.name: getattr(loop, f.name) for f in dataclasses.fields(loop)
+                if getattr(loop, f.name) != getattr(base, f.name)}
+    values: dict[str, Any] = {}
+    for kind, prefix, given in (("loop", DEST_PREFIX, loop), ("training-data", DATA_DEST_PREFIX, data_options),
+                                ("", "", options)):
+        named = {prefix + name: value for name, value in (given or {}).items()}
+        unknown = sorted(name for name in given or {} if prefix + name not in vars(args))
+        if unknown:
+            known = sorted(dest[len(prefix):] for dest in vars(args) if dest.startswith(prefix) and (
+                prefix or not dest.startswith((DEST_PREFIX, DATA_DEST_PREFIX)))
+                and dest not in ("data", "workdir", "address", "log_level"))
+            raise ConfigError(f"{stage}: unknown {kind + ' ' if kind else ''}option(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(known)}")
+        values.update(named)
+    vars(args).update(values)
+    return args
 
 
 def run_stage(stage: str, args: argparse.Namespace) -> Any:

@@ -13,36 +13,18 @@ from typing import Any, Mapping
 
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
 from ckray.errors import ConfigError
+from ckray.options import add_options, options_from_args
 from ckray.training import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
 
 log = logging.getLogger(__name__)
 
 
+DATA_DEST_PREFIX = "data_"   # a training-data flag's destination: data_<field>
+
+
 def add_training_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("training data (ckray.data.examples)")
-    d = TrainingDataConfig()
-    g.add_argument("--train-split", dest="data_split", default=d.split, metavar="SPLIT",
-                   help="qrels split used for training")
-    g.add_argument("--dev-fraction", type=float, default=d.dev_fraction, help="training queries held back for validation")
-    g.add_argument("--negatives-per-positive", type=int, default=d.negatives_per_positive,
-                   help="training triples (negatives) per judged positive")
-    g.add_argument("--negative-depth", type=int, default=d.negative_depth, help="sample negatives from BM25 top-N")
-    g.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 candidates reranked in validation")
-    g.add_argument("--max-dev-queries", type=int, default=d.max_dev_queries,
-                   help="validate on at most N of the held-back queries (the rest is not trained on either)")
-    g.add_argument("--max-triples", type=int, default=0, help="use at most N training triples (0: all)")
-    g.add_argument("--weak-titles", type=int, default=d.weak_titles, metavar="N",
-                   help="weak supervision: add N corpus documents' title → body pairs with the title's BM25 "
-                        "negatives (0: off)")
-    g.add_argument("--weak-depth", type=int, default=d.weak_depth, help="weak negatives from the title's BM25 top-N")
-    g.add_argument("--hard-negative-run", default=None, metavar="RUN",
-                   help="hard negatives mined by a trained model: a TREC run on the training queries, e.g. "
-                        "W/runs/ck-qti-train.trec from jobs/evaluate.py --split train (default: BM25 only)")
-    g.add_argument("--hard-negatives-per-positive", type=int, default=d.hard_negatives_per_positive,
-                   help="of --negatives-per-positive, this many from the run's top --hard-negative-depth")
-    g.add_argument("--hard-negative-depth", type=int, default=d.hard_negative_depth,
-                   help="hard negatives from the run's top-N")
-    return parser
+    """The training-data flags, one per :class:`TrainingDataConfig` field."""
+    return add_options(parser, TrainingDataConfig, "training data (ckray.data.examples)", dest_prefix=DATA_DEST_PREFIX)
 
 
 # where run_training puts a run: set from --workdir and the checkpoint name (shown in --help)
@@ -60,16 +42,7 @@ def training_parser(description: str, train_defaults: Mapping[str, Any] | None =
 
 def training_data_config(args: argparse.Namespace) -> TrainingDataConfig:
     """The training data's config from a training job's flags (checked: an invalid one names its flag)."""
-
-    if args.max_triples < 0:
-        raise ConfigError(f"--max-triples must be >= 0 (0: all), got {args.max_triples}")
-    return TrainingDataConfig(
-        split=args.data_split, dev_fraction=args.dev_fraction,
-        negatives_per_positive=args.negatives_per_positive,
-        negative_depth=args.negative_depth, dev_depth=args.dev_depth,
-        max_dev_queries=args.max_dev_queries, weak_titles=args.weak_titles,
-        weak_depth=args.weak_depth, hard_negative_run=args.hard_negative_run,
-        hard_negatives_per_positive=args.hard_negatives_per_positive, hard_negative_depth=args.hard_negative_depth)
+    return options_from_args(TrainingDataConfig, args, dest_prefix=DATA_DEST_PREFIX)
 
 
 def training_config(args: argparse.Namespace, name: str, **train_defaults: Any) -> TrainConfig:
@@ -90,14 +63,14 @@ def training_data(args: argparse.Namespace) -> TrainingData:
 
     config = training_data_config(args)  # checks the flags before any work
     queries, qrels = read_queries_and_qrels(Path(args.data))
-    if args.data_split not in qrels:
-        raise ConfigError(f"--train-split {args.data_split!r}: {args.data} has qrels for {sorted(qrels)}")
-    prepare_collection(args.data, args.workdir, split=args.data_split)  # idempotent: works on a fresh workdir
-    td = build_training_data(args.workdir, queries, qrels[args.data_split], config)
+    if config.split not in qrels:
+        raise ConfigError(f"--train-split {config.split!r}: {args.data} has qrels for {sorted(qrels)}")
+    prepare_collection(args.data, args.workdir, split=config.split)  # idempotent: works on a fresh workdir
+    td = build_training_data(args.workdir, queries, qrels[config.split], config)
     if td.num_triples == 0:
-        raise ConfigError(f"{args.data}: no training triples from split {args.data_split!r} — no non-dev query "
+        raise ConfigError(f"{args.data}: no training triples from split {config.split!r} — no non-dev query "
                           f"has a judged positive in the corpus and a BM25 candidate to contrast it with")
-    return td.limited(args.max_triples) if args.max_triples else td
+    return td.limited(config.max_triples) if config.max_triples else td
 
 
 def run_training(task: RankerTask, args: argparse.Namespace, config: TrainConfig,

@@ -23,36 +23,16 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 def main(args) -> None:
     from ckray.full_pipeline import FullPipelineConfig, run_full_pipeline
+    from ckray.options import options_from_args
 
-    config = FullPipelineConfig(workdir=args.workdir, data=args.data, split=args.split,
-                                models=args.models.split(",") if args.models is not None else None,
-                                workers=args.workers, use_gpu=args.use_gpu, max_steps=args.max_steps,
-                                shards=args.shards, rerank_depth=args.rerank_depth, train_split=args.train_split,
-                                reevaluate=args.reevaluate)
-    report = run_full_pipeline(config)
-    print(report)
+    print(run_full_pipeline(options_from_args(FullPipelineConfig, args, workdir=args.workdir)))
 
 
 def parser():
-    from ckray.full_pipeline import MODEL_DEFAULTS
+    from ckray.full_pipeline import FullPipelineConfig
+    from ckray.options import add_options
 
-    p = base_parser(__doc__, data=False)
-    p.add_argument("--data", default=None, help="collection directory (default: generate the bundled sample)")
-    p.add_argument("--split", default="test", help="qrels split the pipelines are evaluated on")
-    p.add_argument("--train-split", default="train", help="qrels split the models are trained (and λ tuned) on")
-    p.add_argument("--models", default=None,
-                   help=f"comma-separated models to train and index (default: all of {','.join(MODEL_DEFAULTS)}; "
-                        "'' for none)")
-    p.add_argument("--workers", type=int, default=2, help="Ray Train workers per model")
-    p.add_argument("--use-gpu", action="store_true", help="one GPU per training worker and index actor")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="training steps of every model (default: per model, "
-                        + ", ".join(f"{m} {d['steps']}" for m, d in MODEL_DEFAULTS.items()) + ")")
-    p.add_argument("--shards", type=int, default=4, help="corpus shards")
-    p.add_argument("--rerank-depth", type=int, default=10, help="first-stage documents each reranker rescores")
-    p.add_argument("--reevaluate", action="store_true",
-                   help="evaluate every pipeline again, even those whose inputs did not change")
-    return p
+    return add_options(base_parser(__doc__, data=False), FullPipelineConfig)
 
 
 if __name__ == "__main__":

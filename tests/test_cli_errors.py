@@ -127,12 +127,15 @@ def test_job_flags_are_named_in_their_errors(script, flags, message, sample, tmp
 
 
 def test_the_main_job_checks_every_models_training_flags_before_ray(sample, tmp_path):
-    from ckray.full_pipeline import FullPipelineConfig, run_full_pipeline
+    from ckray.full_pipeline import FullPipelineConfig, ModelRecipe, run_full_pipeline
 
     w = tmp_path / "w"
     config = FullPipelineConfig(workdir=str(w), data=str(sample), models=["ck-qti", "qds"],
-                                flags={"qds": ["--batch-size", "0"]})
+                                recipes={"qds": ModelRecipe(loop={"batch_size": 0})})
     with pytest.raises(ConfigError, match=r"^--batch-size must be >= 1, got 0$"):
+        run_full_pipeline(config)
+    config.recipes = {"ck-qti": ModelRecipe(options={"layerz": 1})}
+    with pytest.raises(ConfigError, match=r"^train:ck-qti: unknown option\(s\) layerz; known: .*\blayers\b"):
         run_full_pipeline(config)
     assert list(w.iterdir()) == []  # no shards, no BM25 index: nothing prepared
 

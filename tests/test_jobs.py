@@ -98,7 +98,7 @@ def test_stage_job_main_exits_0_after_the_stage_and_2_on_a_ckray_error(monkeypat
                         lambda stage, args: ran.append(args) or object())
     with pytest.raises(SystemExit) as exit_:
         stages.main_for("train:ck-qti", argv=["--data", str(tmp_path), "--workdir", str(tmp_path / "w"), "--lr", "0.5"])
-    assert exit_.value.code == 0 and ran[0].train_lr == 0.5 and ran[0].train_max_steps is None
+    assert exit_.value.code == 0 and ran[0].loop_lr == 0.5 and ran[0].loop_max_steps is None
     with pytest.raises(SystemExit) as exit_:
         stages.main_for("index:ck-qti", argv=["--data", str(tmp_path), "--workdir", str(tmp_path / "w"),
                                               "--checkpoint", str(tmp_path / "no-such-ckpt")])

@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ckray.errors import ConfigError, MissingArtifactError
+from ckray.options import option
 
 log = logging.getLogger(__name__)
 
@@ -226,41 +227,50 @@ def is_dev_query(qid: str, dev_fraction: float, seed: int = 0) -> bool:
 
 @dataclass
 class TrainingDataConfig:
-    split: str = "train"
-    dev_fraction: float = 0.15
-    negatives_per_positive: int = 8
-    negative_depth: int = 1000      # sample negatives from BM25's top-N (CLEAR: 1000)
-    dev_depth: int = 50             # BM25 candidates reranked for validation
-    max_dev_queries: int = 200
+    """How training triples and the dev set are made; each field declared with
+    :func:`~ckray.options.option` is a flag of every training job."""
+
+    split: str = option("train", "qrels split used for training", flag="--train-split", metavar="SPLIT")
+    dev_fraction: float = option(0.15, "training queries held back for validation")
+    negatives_per_positive: int = option(8, "training triples (negatives) per judged positive")
+    negative_depth: int = option(1000, "sample negatives from BM25 top-N")   # CLEAR: 1000
+    dev_depth: int = option(50, "BM25 candidates reranked in validation")
+    max_dev_queries: int = option(200, "validate on at most N of the held-back queries (the rest is not trained "
+                                       "on either)")
+    max_triples: int = option(0, "use at most N training triples, the first N of the seeded shuffle (0: all)")
     seed: int = 0
-    # weak supervision from the corpus itself: up to N documents' titles used as queries for their own
-    # body (title → body pairs, BM25 negatives of the title); 0 = off. Never uses any query or qrels.
-    weak_titles: int = 0
-    weak_depth: int = 100           # the title's BM25 top-N the weak negatives are sampled from
-    # hard negatives mined by a trained model: a TREC run on the training queries (e.g. W/runs/ck-qti-train.trec
-    # from ``jobs/evaluate.py --split train``); of each positive's negatives_per_positive, this many come from
-    # the non-relevant documents in the run's top hard_negative_depth (those also in BM25's top negative_depth,
-    # whose BM25 score CLEAR's margin needs), the rest from BM25 as without a run
-    hard_negative_run: str | None = None
-    hard_negatives_per_positive: int = 4
-    hard_negative_depth: int = 100
+    # weak supervision from the corpus itself: never uses any query or qrels
+    weak_titles: int = option(0, "weak supervision: add N corpus documents' title → body pairs with the title's "
+                                 "BM25 negatives (0: off)", metavar="N")
+    weak_depth: int = option(100, "weak negatives from the title's BM25 top-N")
+    # of each positive's negatives_per_positive, hard_negatives_per_positive come from the non-relevant
+    # documents in the run's top hard_negative_depth (those also in BM25's top negative_depth, whose BM25
+    # score CLEAR's margin needs), the rest from BM25 as without a run
+    hard_negative_run: str | None = option(None, "hard negatives mined by a trained model: a TREC run on the "
+                                                 "training queries, e.g. W/runs/ck-qti-train.trec from "
+                                                 "jobs/evaluate.py --split train (default: BM25 only)",
+                                           metavar="RUN")
+    hard_negatives_per_positive: int = option(4, "of --negatives-per-positive, this many from the run's top "
+                                                 "--hard-negative-depth")
+    hard_negative_depth: int = option(100, "hard negatives from the run's top-N")
 
     def __post_init__(self) -> None:
-        checks = [("dev_fraction", "--dev-fraction", 0 <= self.dev_fraction <= 1, "in [0, 1]"),
-                  ("negatives_per_positive", "--negatives-per-positive", self.negatives_per_positive >= 1, ">= 1"),
-                  ("negative_depth", "--negative-depth", self.negative_depth >= 1, ">= 1"),
-                  ("dev_depth", "--dev-depth", self.dev_depth >= 1, ">= 1"),
-                  ("max_dev_queries", "--max-dev-queries", self.max_dev_queries >= 0, ">= 0"),
-                  ("weak_titles", "--weak-titles", self.weak_titles >= 0, ">= 0 (0 = off)"),
-                  ("weak_depth", "--weak-depth", self.weak_depth >= 1, ">= 1"),
-                  ("hard_negatives_per_positive", "--hard-negatives-per-positive",
+        checks = [("dev_fraction", 0 <= self.dev_fraction <= 1, "in [0, 1]"),
+                  ("negatives_per_positive", self.negatives_per_positive >= 1, ">= 1"),
+                  ("negative_depth", self.negative_depth >= 1, ">= 1"),
+                  ("dev_depth", self.dev_depth >= 1, ">= 1"),
+                  ("max_dev_queries", self.max_dev_queries >= 0, ">= 0"),
+                  ("max_triples", self.max_triples >= 0, ">= 0 (0: all)"),
+                  ("weak_titles", self.weak_titles >= 0, ">= 0 (0 = off)"),
+                  ("weak_depth", self.weak_depth >= 1, ">= 1"),
+                  ("hard_negatives_per_positive",
                    self.hard_negatives_per_positive >= 0 and (
                        not self.hard_negative_run or self.hard_negatives_per_positive <= self.negatives_per_positive),
                    f"in [0, --negatives-per-positive = {self.negatives_per_positive}]"),
-                  ("hard_negative_depth", "--hard-negative-depth", self.hard_negative_depth >= 1, ">= 1")]
-        for name, flag, ok, rule in checks:
+                  ("hard_negative_depth", self.hard_negative_depth >= 1, ">= 1")]
+        for name, ok, rule in checks:
             if not ok:
-                raise ConfigError(f"TrainingDataConfig.{name} ({flag}) must be {rule}, got {getattr(self, name)!r}")
+                raise ConfigError.invalid("TrainingDataConfig", name, f"must be {rule}, got {getattr(self, name)!r}")
 
 
 def _sample_negatives(rng: random.Random, pool: list[tuple[str, float]], hard: list[tuple[str, float]],

@@ -5,47 +5,77 @@ Imports neither torch nor Ray, so a job's ``--help`` and its flag errors come be
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import json
+from dataclasses import dataclass
 
 from ckray.errors import ConfigError
+from ckray.options import option
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
+def parse_resources(text: str) -> dict[str, float]:
+    """``'{"ckray_train": 1}'`` or ``ckray_train=1,other=0.5`` → ``{"ckray_train": 1.0, ...}`` (the
+    ``--resources-per-worker`` flag)."""
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+        else:
+            value = {}
+            for item in filter(None, (s.strip() for s in text.split(","))):
+                key, sep, amount = item.partition("=")
+                if not sep or not key.strip():
+                    raise ValueError(f"{item!r} is not NAME=AMOUNT")
+                value[key.strip()] = amount
+        return {str(k): float(v) for k, v in value.items()}
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"resources {text!r}: {exc} (expected JSON like '{{\"ckray_train\": 1}}' or ckray_train=1)") from None
+
+
 @dataclass
 class TrainConfig:
-    """Everything :func:`fit` needs besides the task and the data. ``step`` = one optimizer step."""
+    """Everything :func:`fit` needs besides the task and the data. ``step`` = one optimizer step.
+    Each field declared with :func:`~ckray.options.option` is a flag of every training job
+    (``ckray.training.flags``)."""
 
-    workers: int = 2
-    use_gpu: bool = False
-    zero_stage: int = 2
-    precision: str = "auto"          # auto: bf16 on GPU, fp32 on CPU; bf16 = autocast mixed precision
-    batch_size: int = 8              # per-worker micro-batch, in triples
-    grad_accum: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    max_steps: int = 1000
-    eval_every: int = 100            # 0: validate only at the end
-    seed: int = 42
-    max_failures: int = 2
-    grad_clip: float = 1.0           # 0: no clipping
-    output_dir: str = ""             # consolidated best model; default checkpoints/<task.name>
-    storage_dir: str = ""            # Ray Train storage (run state, DeepSpeed checkpoints); default ./ray_train
-    resume: bool = True
-    run_name: str = ""               # run directory under storage_dir; default task.name
-    log_every: int = 10              # progress line every N steps (rank 0)
-    keep_checkpoints: int = 2        # best-by-dev checkpoints Ray keeps (the latest is kept as well)
-    eval_batch_size: int = 64        # (query, doc) pairs per task.score call
-    eval_at_start: bool = True       # also validate the untrained model (history entry at step 0)
+    workers: int = option(2, "Ray Train workers (one model replica each)")
+    use_gpu: bool = option(False, "one GPU per worker")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage (0 with a single worker)", choices=(0, 1, 2, 3))
+    # bf16 = autocast mixed precision
+    precision: str = option("auto", "auto: bf16 autocast on a GPU, fp32 on CPU", choices=PRECISIONS)
+    batch_size: int = option(8, "training triples per worker and micro-batch")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    lr: float = option(1e-4, "peak learning rate (AdamW, linear warm-up and decay)")
+    weight_decay: float = option(0.01, "AdamW weight decay (none on biases and norms)")
+    warmup_steps: int = option(0, "linear warm-up steps")
+    max_steps: int = option(1000, "optimizer steps in all (a finished run is not trained again)")
+    eval_every: int = option(100, "validate on dev every N steps (0: only at the end)")
+    seed: int = option(42, "random seed (model initialisation, data order)")
+    max_failures: int = option(2, "worker-group restarts from the latest checkpoint (-1: forever)")
+    grad_clip: float = option(1.0, "gradient norm clipping (0: none)")
+    output_dir: str = option("", "where the best checkpoint is written")  # default checkpoints/<task.name>
+    storage_dir: str = option("", "Ray Train storage: run state and DeepSpeed checkpoints")  # default ./ray_train
+    resume: bool = option(True, "resume the run directory when it exists (--no-resume: delete it and start over)")
+    run_name: str = option("", "run directory under --storage-dir (resumed when it exists)")  # default task.name
+    log_every: int = option(10, "progress line every N steps")
+    keep_checkpoints: int = option(2, "best-by-dev checkpoints kept (the latest is kept as well)")
+    eval_batch_size: int = option(64, "(query, document) pairs per scoring call in validation")
+    eval_at_start: bool = option(True, "validate the untrained model too (step 0)")
     shuffle_buffer: int = 4096       # rows in the per-epoch local shuffle buffer (0: no shuffle)
-    cpus_per_worker: int = 1         # logical CPUs reserved per worker = torch threads per worker
-    # extra Ray resources each worker asks for, e.g. {"ckray_train": 1}: only nodes that advertise them
-    # (cluster.yaml's training node type) take the workers, and the autoscaler launches such nodes
-    resources_per_worker: dict[str, float] = field(default_factory=dict)
-    # start from these weights (a W/checkpoints/<name> directory of the same model) instead of the
-    # model's own initialisation: fine-tuning a trained checkpoint further with other data or settings
-    init_from: str = ""
+    cpus_per_worker: int = option(1, "CPUs reserved per worker (= its torch threads)")
+    # only nodes that advertise these resources (cluster.yaml's training node type) take the workers,
+    # and the autoscaler launches such nodes
+    resources_per_worker: dict[str, float] = option(
+        help="extra Ray resources per worker, e.g. ckray_train=1 or '{\"ckray_train\": 1}' (default: none)",
+        default_factory=dict, parse=parse_resources, metavar="JSON|K=V[,K=V]")
+    init_from: str = option("", "start from this saved checkpoint's weights (a W/checkpoints/<name> directory of "
+                                "the same model) to fine-tune it further (default: the model's own initialisation)",
+                            metavar="CKPT")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,0 +1,102 @@
+"""Command lines derived from typed options (ckray.options): each flag declared once, on a config field."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ckray.errors import ConfigError
+from ckray.options import add_options, flags_of, option, options_from_args
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = {"-h", "--help", "--data", "--workdir", "--address", "--log-level"}
+
+
+@dataclass
+class Example:
+    top_k: int = option(64, "terms kept per document")
+    mode: str = option("fast", "how", choices=("fast", "exact"))
+    gpu: bool = option(False, "use a GPU")
+    pair: tuple = option((0, 0), "two numbers", parse=lambda t: tuple(int(x) for x in t.split(",")), metavar="A,B")
+    internal: int = 7           # no help: set by code, not a flag
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError.invalid("Example", "top_k", f"must be >= 1, got {self.top_k}")
+
+
+def parser_of(cls: type, **kwargs) -> argparse.ArgumentParser:
+    return add_options(argparse.ArgumentParser(), cls, **kwargs)
+
+
+def test_each_field_with_help_is_one_flag_of_its_type():
+    p = parser_of(Example)
+    assert flags_of(Example) == {"top_k": "--top-k", "mode": "--mode", "gpu": "--gpu", "pair": "--pair"}
+    o = options_from_args(Example, p.parse_args(["--top-k", "5", "--mode", "exact", "--gpu", "--pair", "1,2"]))
+    assert o == Example(top_k=5, mode="exact", gpu=True, pair=(1, 2), internal=7)
+    assert options_from_args(Example, p.parse_args([])) == Example()
+    assert options_from_args(Example, p.parse_args(["--no-gpu"])).gpu is False
+    with pytest.raises(SystemExit):
+        p.parse_args(["--mode", "slow"])          # choices are enforced by argparse
+    with pytest.raises(SystemExit):
+        p.parse_args(["--internal", "3"])         # not a flag
+
+
+def test_an_invalid_value_names_its_flag_not_its_field():
+    with pytest.raises(ConfigError, match=r"^--top-k must be >= 1, got 0$"):
+        options_from_args(Example, parser_of(Example).parse_args(["--top-k", "0"]))
+
+
+def test_unset_flags_parse_to_none_so_a_jobs_own_defaults_apply_and_help_shows_them():
+    p = parser_of(Example, dest_prefix="x_", unset_is_none=True, defaults={"top_k": 32})
+    assert p.parse_args([]).x_top_k is None
+    assert "terms kept per document (default: 32)" in " ".join(p.format_help().split())
+    # precedence: a given flag, then the job's default (overrides), then the dataclass's
+    assert options_from_args(Example, p.parse_args([]), dest_prefix="x_", top_k=32).top_k == 32
+    assert options_from_args(Example, p.parse_args(["--top-k", "9"]), dest_prefix="x_", top_k=32).top_k == 9
+    assert options_from_args(Example, p.parse_args([]), dest_prefix="x_").top_k == 64
+
+
+def _job_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of a parser but the common ones (``--qti`` and ``--no-qti`` count once)."""
+    strings = [s for a in parser._actions for s in a.option_strings if not s.startswith("--no-") or
+               "--" + s[5:] not in a.option_strings]
+    return [s for s in strings if s not in COMMON]
+
+
+@pytest.mark.parametrize("model", ["ck-qti", "clear", "cedr-knrm", "qds"])
+def test_every_training_job_flag_is_a_field_of_one_config(model):
+    """A training job's flags are exactly the fields of TrainConfig, TrainingDataConfig and the ranker's
+    options: none is written by hand, none is declared twice."""
+    from ckray.data.examples import TrainingDataConfig
+    from ckray.rankers import resolve
+    from ckray.stages import stage_parser, training_stage
+    from ckray.training import TrainConfig
+
+    flags = _job_flags(stage_parser(f"train:{model}"))
+    declared = [*flags_of(TrainConfig).values(), *flags_of(TrainingDataConfig).values(),
+                *flags_of(resolve(training_stage(model).options)).values()]
+    assert sorted(flags) == sorted(declared)
+    assert len(set(declared)) == len(declared)
+
+
+def test_the_main_jobs_flags_are_the_fields_of_its_config():
+    from ckray.full_pipeline import FullPipelineConfig
+
+    spec = importlib.util.spec_from_file_location("pipeline_job", ROOT / "jobs" / "pipeline.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    p = job.parser()
+    assert sorted(_job_flags(p)) == sorted(set(flags_of(FullPipelineConfig).values()) - {"--data"})  # --data: common
+    args = p.parse_args(["--workdir", "W", "--models", "ck-qti, clear", "--max-steps", "3", "--use-gpu"])
+    config = options_from_args(FullPipelineConfig, args, workdir=args.workdir)
+    assert (config.workdir, config.models, config.max_steps, config.use_gpu, config.split) == \
+        ("W", ["ck-qti", "clear"], 3, True, "test")
+    assert options_from_args(FullPipelineConfig, p.parse_args(["--workdir", "W", "--models", ""]),
+                             workdir="W").models == []
+    with pytest.raises(ConfigError, match=r"^--shards must be >= 1, got 0$"):
+        options_from_args(FullPipelineConfig, p.parse_args(["--workdir", "W", "--shards", "0"]), workdir="W")
