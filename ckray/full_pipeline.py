@@ -277,9 +277,9 @@ def run_full_pipeline(config: FullPipelineConfig) -> str:
     t_start = time.time()
     data = config.data
     if data is None:
-        from ckray.data.sample import generate_sample
+        from ckray.data.sample import DEMO_SAMPLE, generate_sample
 
-        data = str(generate_sample(workdir / "sample-data"))  # deterministic: same bytes every time
+        data = str(generate_sample(workdir / "sample-data", DEMO_SAMPLE))  # deterministic: same bytes every time
         log.info("generated the bundled sample collection in %s", data)
     train_args = {m: _train_args(config, data, m) for m in models}
     for model, args in train_args.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckray.data.sample import generate_sample
+from ckray.data.sample import DEMO_SAMPLE, generate_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_ray_job_submit_recipe_as_written(tmp_path, isolated):
     sample data exists: a fresh head with token auth, prepare and evaluate submitted with
     `--working-dir .` and absolute data/work paths, the job's log read back, the head stopped."""
     repo = checkout_copy(tmp_path / "repo")
-    generate_sample(repo / "work" / "demo" / "sample-data")  # what `make demo` leaves there
+    generate_sample(repo / "work" / "demo" / "sample-data", DEMO_SAMPLE)  # what `make demo` leaves there
     p = isolated("set -euo pipefail\n" + readme_recipe("ray job submit"), cwd=repo, timeout=900)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-5000:]

@@ -5,6 +5,11 @@ Each of ``n_topics`` topics owns a handful of invented "concept" words, each wit
 few concepts of one topic, sometimes with the *other* spelling than the relevant documents use, so
 exact-match BM25 is good but not perfect and learned matching has something to add. Deterministic
 for a given seed.
+
+Two vocabularies: ``invented`` concept words (syllable strings, whose synonymy only training can
+teach) and ``english`` ones (common English synonym pairs such as *car / automobile*, single word
+pieces of the MiniLM vocabulary), whose synonymy a pretrained encoder already partly knows, as it does
+on real collections; the main job's demo uses the latter (:data:`DEMO_SAMPLE`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,24 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckray.errors import ConfigError
+
 _CONSONANTS = "bcdfghklmnprstvz"
+
+# Common English synonym pairs, each word one word piece of the bert-base-uncased / MiniLM vocabulary.
+ENGLISH_SYNONYMS: tuple[tuple[str, str], ...] = tuple(tuple(pair.split()) for pair in (
+    "car automobile|doctor physician|house home|big large|small little|fast quick|begin start|end finish|"
+    "buy purchase|help assist|answer reply|road street|shop store|film movie|child kid|mother mom|"
+    "father dad|rich wealthy|sick ill|smart clever|angry mad|happy glad|sad unhappy|hard difficult|"
+    "easy simple|error mistake|gift present|job occupation|trip journey|rock stone|ocean sea|forest woods|"
+    "hill slope|river stream|city town|boat ship|plane aircraft|bike bicycle|phone telephone|picture photo|"
+    "song tune|speech talk|rule law|money cash|price cost|student pupil|teacher instructor|lawyer attorney|"
+    "chef cook|soldier warrior|thief robber|friend pal|enemy foe|king monarch|gown dress|hat cap|"
+    "shoe boot|couch sofa|rug carpet|cup mug|dish plate|pants trousers|garbage trash|autumn fall|"
+    "vacation holiday|sweets candy|flat apartment|lift elevator|petrol gasoline|queue line|illness disease|"
+    "medicine drug|wound injury|infant baby|elderly aged|middle center|exam test|sum total|method technique|"
+    "goal aim|idea notion|fact truth|danger risk|power strength|storm tempest|fear terror"
+).split("|"))
 _VOWELS = "aeiou"
 
 
@@ -31,6 +53,22 @@ class SampleConfig:
     train_queries_per_topic: int = 2
     test_queries_per_topic: int = 1
     seed: int = 13
+    vocabulary: str = "invented"   # "invented" | "english" (ENGLISH_SYNONYMS; n_topics × concepts_per_topic ≤ 86)
+
+    def __post_init__(self) -> None:
+        if self.vocabulary not in ("invented", "english"):
+            raise ConfigError.invalid("SampleConfig", "vocabulary", f"must be 'invented' or 'english', "
+                                      f"not {self.vocabulary!r}")
+        needed = self.n_topics * self.concepts_per_topic
+        if self.vocabulary == "english" and needed > len(ENGLISH_SYNONYMS):
+            raise ConfigError.invalid("SampleConfig", "n_topics", f"n_topics × concepts_per_topic = {needed}; the "
+                                      f"english vocabulary has {len(ENGLISH_SYNONYMS)} synonym pairs")
+
+
+# The main job's collection: fewer, denser topics (each synonym pair occurs in more training triples)
+# and English concept words (144 documents, 120 training and 60 test queries).
+DEMO_SAMPLE = SampleConfig(n_topics=12, docs_per_topic=12, train_queries_per_topic=10, test_queries_per_topic=5,
+                           vocabulary="english")
 
 
 def generate_sample(out_dir: str | Path, config: SampleConfig = SampleConfig()) -> Path:
@@ -48,7 +86,11 @@ def generate_sample(out_dir: str | Path, config: SampleConfig = SampleConfig()) 
                 return w
 
     filler = [fresh(rng.choice((1, 2))) for _ in range(config.filler_vocab)]
-    topics = [[(fresh(3), fresh(3)) for _ in range(config.concepts_per_topic)] for _ in range(config.n_topics)]
+    if config.vocabulary == "english":
+        pairs = iter(rng.sample(ENGLISH_SYNONYMS, k=config.n_topics * config.concepts_per_topic))
+        topics = [[next(pairs) for _ in range(config.concepts_per_topic)] for _ in range(config.n_topics)]
+    else:
+        topics = [[(fresh(3), fresh(3)) for _ in range(config.concepts_per_topic)] for _ in range(config.n_topics)]
     corpus, by_topic = [], []
     for t, concepts in enumerate(topics):
         ids = []
