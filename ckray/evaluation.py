@@ -12,6 +12,7 @@ from pathlib import Path
 from ckray.data.collections import judged_queries, read_queries_and_qrels, write_trec_run
 from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
+from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,11 @@ class EvaluateConfig:
 
 
 def run_path(workdir, pipeline: str, split: str) -> Path:
-    return Path(workdir) / "runs" / f"{pipeline}-{split}.trec"
+    return WorkDir(workdir).run(pipeline, split)
 
 
 def metrics_path(workdir, pipeline: str, split: str) -> Path:
-    return Path(workdir) / "metrics" / f"{pipeline}-{split}.json"
+    return WorkDir(workdir).metrics(pipeline, split)
 
 
 def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str) -> dict[str, str]:

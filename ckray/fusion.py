@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ckray.errors import ConfigError, MissingArtifactError
+from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ Hits = list[tuple[str, float]]
 Run = dict[str, Hits]
 Candidates = dict[str, dict[str, tuple[float, float]]]   # qid → doc_id → (s_a, s_b)
 
-FUSION_DIR = "fusion"
 DEFAULT_WEIGHT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 2) for i in range(0, 31))  # 0.0 … 3.0
 RRF_K = 60   # the constant of reciprocal-rank fusion (Cormack et al., 2009)
 
@@ -186,7 +186,7 @@ def tune_weight(first: Run, reranked: Run, qrels: Mapping[str, Mapping[str, int]
 
 
 def fusion_path(workdir: str | os.PathLike, first: str, reranker: str) -> Path:
-    return Path(workdir) / FUSION_DIR / f"{first}+{reranker}.json"
+    return WorkDir(workdir).fusion(first, reranker)
 
 
 def save_interpolation(workdir: str | os.PathLike, first: str, reranker: str, config: InterpolationConfig) -> Path:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from ckray import rankers
 from ckray.errors import ConfigError
+from ckray.workdir import WorkDir
 from ckray.fusion import Run, interpolate, load_interpolation
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def is_interpolated(name: str) -> bool:
 
 
 def checkpoint_dir(workdir: str | os.PathLike, reranker: str) -> Path:
-    return Path(workdir) / "checkpoints" / rankers.rerankers()[reranker]
+    return WorkDir(workdir).checkpoint(rankers.rerankers()[reranker])
 
 
 def first_stage_files(workdir: str | os.PathLike, first: str) -> list[Path]:

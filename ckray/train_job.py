@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
 from ckray.errors import ConfigError
 from ckray.options import add_options, options_from_args
+from ckray.workdir import WorkDir
 from ckray.training import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ def training_config(args: argparse.Namespace, name: str, **train_defaults: Any) 
     """The training loop's config of the run ``name`` (``W/checkpoints/<name>``, run state under ``W/train``):
     the job's flags over ``train_defaults``, the model's own choices. An invalid flag is refused here,
     naming it (``--max-steps must be >= 1, got 0``): a job builds this before it starts Ray or any work."""
-    return config_from_args(args, output_dir=str(Path(args.workdir) / "checkpoints" / name),
-                            storage_dir=str(Path(args.workdir).resolve() / "train"), run_name=name,
+    workdir = WorkDir(args.workdir)
+    return config_from_args(args, output_dir=str(workdir.checkpoint(name)),
+                            storage_dir=str(WorkDir(workdir.root.resolve()).train_runs), run_name=name,
                             **train_defaults)
 
 

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from ckray.data.collections import CORPUS_SCHEMA, doc_text, load_collection
-from ckray.data.docstore import DOCSTORE_DIR, HASHES, MARKER, id_hashes, store_dir
+from ckray.data.docstore import HASHES, MARKER, id_hashes, store_dir
+from ckray.workdir import WorkDir
 from ckray.data.sample import generate_sample
 from ckray.data.shards import DocStore, write_corpus_shards
 from ckray.errors import CollectionError
@@ -85,7 +86,7 @@ def test_duplicate_id_names_the_id_and_its_shards(corpus, tmp_path):
     write_shards(tmp_path, twice)
     with pytest.raises(CollectionError, match=rf"duplicate document id '{dup}'.*part-00001.parquet and part-00002.parquet"):
         DocStore(tmp_path)
-    assert not any(p for p in (tmp_path / DOCSTORE_DIR).iterdir() if p.is_dir())  # nothing half-built left
+    assert not any(p for p in WorkDir(tmp_path).docstore.iterdir() if p.is_dir())  # nothing half-built left
 
 
 def test_a_document_without_an_id_names_its_shard_and_row(corpus, tmp_path):
@@ -150,7 +151,7 @@ def test_concurrent_first_opens_build_once(tmp_path):
     path = store_dir(tmp_path)
     # one build: a second one would have replaced the directory (another inode) or left a temporary one
     assert set(got) == {(path.stat().st_ino, 20_000, ("title 123", table["text"][123].as_py()))}
-    assert [p.name for p in (tmp_path / DOCSTORE_DIR).iterdir() if p.is_dir()] == [path.name]
+    assert [p.name for p in WorkDir(tmp_path).docstore.iterdir() if p.is_dir()] == [path.name]
 
 
 def _rss_anon_kb() -> int:

@@ -95,3 +95,86 @@ def test_a_training_mean_length_saved_with_the_checkpoint_sets_the_length_scale(
     finally:
         deploy_path(checkpoint).unlink()
 
+
+# ------------------------------------------------------------------------------ the benchmark
+
+
+def test_a_pipeline_whose_checkpoint_is_missing_is_named_before_any_index_is_built(tmp_path):
+    from ckray.benchmark import BenchmarkConfig, link_checkpoints, needed_checkpoints
+    from ckray.errors import ConfigError, MissingArtifactError
+
+    assert needed_checkpoints(["bm25", "ck-qti", "clear+cedr-knrm", "bm25>ck-qti-unpruned"]) == {
+        "ck-qti": ["ck-qti", "bm25>ck-qti-unpruned"], "clear": ["clear+cedr-knrm"], "cedr-knrm": ["clear+cedr-knrm"]}
+    with pytest.raises(MissingArtifactError, match=r"no checkpoint 'cedr-knrm' at .*trained"):
+        link_checkpoints(tmp_path / "trained", tmp_path / "w", ["cedr-knrm"])
+    with pytest.raises(ConfigError, match="no collection directory"):
+        BenchmarkConfig(data=[str(tmp_path / "nowhere")], checkpoints=str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown first stage"):
+        BenchmarkConfig(data=[str(tmp_path)], checkpoints=str(tmp_path), pipelines=["nope"])
+
+
+def test_benchmark_job_without_checkpoints_says_which_flags_give_them(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "jobs/benchmark.py", "--data", str(tmp_path)], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and "--checkpoints DIR or --from-workdir W" in p.stdout + p.stderr
+
+
+@pytest.mark.slow  # two collections prepared, indexed (impact and dense, on Ray) and evaluated: a few minutes
+def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(tmp_path, ray_session, minilm_path):
+    """Checkpoints of a 'training' collection (the sample; λ and w get tuned on its held-out training
+    queries and saved with the checkpoints) applied to another sample that has test qrels only: the
+    table has both columns and the mean, the target used the carried λ and w (its settings say from
+    where) and CK-QTI's index there has the target's IDF."""
+    import json
+    import shutil
+
+    from ckray import api
+    from ckray.data.sample import SampleConfig, generate_sample
+    from ckray.deploy import deploy_path, read_deploy
+    from ckray.rankers.ck_qti.impact import impact_index_dir, read_index_meta
+    from ckray.rankers.ck_qti.stage import record_training_corpus
+    from ckray.rankers.clear.model import CLEAR, CLEARConfig
+
+    train_data = generate_sample(tmp_path / "sample")
+    target = generate_sample(tmp_path / "target", SampleConfig(seed=5, n_topics=20, docs_per_topic=3))
+    (target / "qrels" / "train.tsv").unlink()  # a BEIR test set: no training queries
+    trained = tmp_path / "trained" / "checkpoints"
+    torch.manual_seed(0)
+    ck = CKModel(small_config(vocab_size=30522, max_doc_len=256)).eval()
+    corpus = [json.loads(line) for line in (train_data / "corpus.jsonl").read_text().splitlines()]
+    stats = ck.set_idf_from_texts([doc_text(d.get("title", ""), d["text"]) for d in corpus])
+    record_training_corpus(save_model(ck, trained / "ck-qti"), stats, tmp_path / "trained")
+    tiny_bert = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                 "intermediate_size": 64, "max_position_embeddings": 128}
+    save_model(CLEAR(CLEARConfig(encoder=minilm_path, pretrained=False, bert_config=tiny_bert, doc_max_len=64)),
+               trained / "clear")
+    pipelines = ["bm25", "ck-qti", "clear", "bm25+ck-qti"]
+    root = tmp_path / "bench"
+    table = api.benchmark([train_data, target], trained, pipelines, workdir_root=root, shards=2, rerank_depth=10,
+                          index_options={"ck-qti": {"expansion_candidates": 16, "actors": 1}})
+    assert table["collections"] == ["sample", "target"] and list(table["rows"]) == pipelines
+    for row in table["rows"].values():
+        assert 0 <= row["target"] <= 1 and row["mean"] == pytest.approx((row["sample"] + row["target"]) / 2)
+    assert table["rows"]["bm25"]["target"] > 0.3   # the target's BM25 works: its qrels and corpus were read
+    md = (root / "benchmark.md").read_text()
+    assert "| nDCG@10 | sample | target | mean |" in md and md.count("\n| ") == 1 + len(pipelines)
+    assert json.loads((root / "benchmark.json").read_text())["rows"] == table["rows"]
+    assert (root / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
+    # tuned on the training collection's held-out training queries, saved with the checkpoints …
+    lam, w = read_deploy(trained / "clear")["lambda"], read_deploy(trained / "ck-qti")["fusion"]["bm25"]
+    # … and carried to the target, which says so
+    used = table["settings"]["target"]
+    assert used["clear"]["lambda"] == {"value": lam["value"], "source": str(deploy_path((trained / "clear").resolve()))}
+    assert used["bm25+ck-qti"]["fusion_weight"]["value"] == w["weight"]
+    assert used["bm25+ck-qti"]["fusion_weight"]["source"] == str(deploy_path((trained / "ck-qti").resolve()))
+    assert table["settings"]["sample"]["clear"]["lambda"]["source"].startswith("tuned on")
+    # CK-QTI's index on the target: the target's IDF and mean length
+    meta = read_index_meta(impact_index_dir(root / "target"))
+    n_target = len((target / "corpus.jsonl").read_text().splitlines())
+    assert meta["corpus_statistics"]["n_docs"] == n_target != len(corpus)
+    assert "corpus_statistics" not in read_index_meta(impact_index_dir(root / "sample"))  # the training corpus
+    shutil.rmtree(root / "target" / "runs")

@@ -50,7 +50,6 @@ from ckray.errors import CollectionError, DuplicateDocumentError, MissingArtifac
 
 log = logging.getLogger(__name__)
 
-DOCSTORE_DIR = "docstore"
 FORMAT_VERSION = 1
 BATCH_ROWS = 8192
 MARKER = "store.json"
@@ -88,7 +87,7 @@ def store_key(fingerprint: dict) -> str:
 
 def store_dir(workdir: str | os.PathLike, fingerprint: dict | None = None) -> Path:
     """``W/docstore/<key>``: where the store of the corpus shards as they are now lives."""
-    return Path(workdir) / DOCSTORE_DIR / store_key(fingerprint or source_fingerprint(workdir))
+    return WorkDir(workdir).docstore / store_key(fingerprint or source_fingerprint(workdir))
 
 
 def is_complete(path: Path, fingerprint: dict) -> bool:

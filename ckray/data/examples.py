@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.options import option
+from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,11 @@ class DevSet:
 # --------------------------------------------------------------------------- negatives
 
 def negatives_path(workdir: str | os.PathLike, split: str = "train") -> Path:
-    return Path(workdir) / "negatives" / f"{split}.parquet"
+    return WorkDir(workdir).negatives(split)
 
 
 def positives_path(workdir: str | os.PathLike, split: str = "train") -> Path:
-    return Path(workdir) / "negatives" / f"{split}-positives.parquet"
+    return WorkDir(workdir).positives(split)
 
 
 def build_negatives(workdir: str | os.PathLike, queries: dict[str, str], qrels: dict[str, dict[str, int]],
@@ -617,7 +618,7 @@ def _hard_negative_parts(workdir: str, run: Path, blocks: list[list[str]]) -> st
     st = run.stat()
     key = _hash_dict({"run": str(run.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
                       "blocks": _hash_dict({"b": blocks})})
-    out = Path(workdir) / "negatives" / f"hard-{key}"
+    out = WorkDir(workdir).hard_negatives(key)
     if (out / "_done").exists():
         return str(out)
     for stale in out.parent.glob("hard-*"):

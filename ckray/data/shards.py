@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ckray.errors import CkrayError, MissingArtifactError
+from ckray.workdir import WorkDir
 
 if TYPE_CHECKING:
     from ckray.data.docstore import DocStore  # noqa: F401  (re-exported by __getattr__ below)
 
-SHARDS_DIR = "shards"
 MANIFEST = "_manifest.json"
 
 
@@ -157,7 +157,7 @@ def done_rows(shard: str | os.PathLike) -> int:
 # --------------------------------------------------------------------------- corpus shards
 
 def shards_dir(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / SHARDS_DIR
+    return WorkDir(workdir).shards
 
 
 def shard_name(i: int) -> str:

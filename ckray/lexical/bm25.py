@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from ckray.data.collections import doc_text
+from ckray.workdir import WorkDir
 from ckray.data.shards import file_sha256, read_json, read_manifest, shard_paths, write_json_atomic
 from ckray.errors import MissingArtifactError
 from ckray.lexical.anserini import run_anserini
@@ -31,7 +32,7 @@ META = "ckray_index.json"
 
 
 def bm25_index_dir(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / "bm25" / "index"
+    return WorkDir(workdir).bm25_index
 
 
 def index_json_collection(input_dir: Path, index_dir: Path, threads: int = 2, impact: bool = False,

@@ -98,6 +98,7 @@ from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, cras
 from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
+from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class ImpactIntegrityError(CkrayError):
 
 
 def impact_root(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / IMPACT_DIR
+    return WorkDir(workdir).ranker_dir(IMPACT_DIR)
 
 
 def impact_shards_dir(workdir: str | os.PathLike) -> Path:
@@ -133,7 +134,7 @@ def impact_index_dir(workdir: str | os.PathLike) -> Path:
 
 
 def default_checkpoint(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / "checkpoints" / "ck-qti"
+    return WorkDir(workdir).checkpoint("ck-qti")
 
 
 def term_string(term_id: int) -> str:

@@ -50,6 +50,7 @@ from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, cras
 from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import Candidates, Run, grid_search, judged_queries, linear_fusion
+from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +62,20 @@ HYBRID_FILE = "hybrid.json"
 INDEX_KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 
 
+def dense_root(workdir: str | os.PathLike) -> Path:
+    return WorkDir(workdir).ranker_dir(DENSE_DIR)
+
+
 def embeddings_dir(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / DENSE_DIR / "shards"
+    return dense_root(workdir) / "shards"
 
 
 def index_dir(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / DENSE_DIR / "index"
+    return dense_root(workdir) / "index"
 
 
 def default_checkpoint(workdir: str | os.PathLike) -> Path:
-    return Path(workdir) / "checkpoints" / "clear"
+    return WorkDir(workdir).checkpoint("clear")
 
 
 # =============================================================================================
@@ -634,11 +639,11 @@ def save_hybrid_config(workdir: str | os.PathLike, config: HybridConfig) -> Path
     record = asdict(config)
     if record["source"] is None:  # tuned here: the file reads as it always has
         del record["source"]
-    return write_json_atomic(record, Path(workdir) / DENSE_DIR / HYBRID_FILE)
+    return write_json_atomic(record, dense_root(workdir) / HYBRID_FILE)
 
 
 def load_hybrid_config(workdir: str | os.PathLike) -> HybridConfig:
-    path = Path(workdir) / DENSE_DIR / HYBRID_FILE
+    path = dense_root(workdir) / HYBRID_FILE
     if not path.exists():
         raise MissingArtifactError(f"no tuned λ_test at {path}: run jobs/build_dense_index.py (it tunes λ on "
                                    f"training queries, or carries the λ saved with the checkpoint), or pass --lambda")
@@ -681,7 +686,7 @@ def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike |
     from ckray.lexical.bm25 import bm25_retriever
 
     config = HybridConfig(lam=lam, source="flag") if lam is not None and not (
-        Path(workdir) / DENSE_DIR / HYBRID_FILE).exists() else load_hybrid_config(workdir)
+        dense_root(workdir) / HYBRID_FILE).exists() else load_hybrid_config(workdir)
     if lam is not None:
         config.lam, config.source = lam, "flag"
     return HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint, **options), config)

@@ -45,10 +45,11 @@ def build_index(args: argparse.Namespace) -> dict:
     the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
     ``lambda`` (without such a split: the λ saved with the checkpoint, ``ckray.deploy``; None when none)."""
     from ckray.data.collections import read_queries_and_qrels
-    from ckray.rankers.clear.dense import EmbedConfig, IndexConfig, build_dense_index, carry_hybrid, tune_hybrid
+    from ckray.rankers.clear.dense import (EmbedConfig, IndexConfig, build_dense_index, carry_hybrid, default_checkpoint,
+                                           tune_hybrid)
     from ckray.ray_env import init_ray
 
-    checkpoint = args.checkpoint or str(Path(args.workdir) / "checkpoints" / "clear")
+    checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
     embed = EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
                         cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len)
     embed.validate()  # the flags are checked before Ray starts
