@@ -178,3 +178,19 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
     assert meta["corpus_statistics"]["n_docs"] == n_target != len(corpus)
     assert "corpus_statistics" not in read_index_meta(impact_index_dir(root / "sample"))  # the training corpus
     shutil.rmtree(root / "target" / "runs")
+
+
+def test_impact_settings_saved_with_the_checkpoint_are_its_index_defaults_and_flags_override(two_corpora):
+    from ckray.deploy import deploy_path, save_deploy_setting
+    from ckray.rankers.ck_qti.impact import deployed_impact_settings
+
+    checkpoint = two_corpora["checkpoint"]
+    assert deployed_impact_settings(checkpoint) == (ImpactConfig.top_k, ImpactConfig.explicit_weight, None)
+    save_deploy_setting(checkpoint, "impact", {"top_k": 64, "explicit_weight": 1.0})
+    try:
+        source = str(deploy_path(Path(checkpoint).resolve()))
+        assert deployed_impact_settings(checkpoint) == (64, 1.0, source)
+        assert deployed_impact_settings(checkpoint, top_k=32) == (32, 1.0, source)
+        assert deployed_impact_settings(checkpoint, 32, 0.0) == (32, 0.0, None)
+    finally:
+        deploy_path(checkpoint).unlink()

@@ -76,6 +76,9 @@ def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
     p.add_argument("--scale", type=float, default=None,
                    help="fixed quantisation scale, overriding --quant-max (default: from --quant-max)")
+    p.add_argument("--save-settings", action="store_true",
+                   help="save this --top-k and --explicit-weight with the checkpoint (deploy.json), as chosen on its "
+                        "training collection's held-out queries: indexes of other collections then use them")
     add_actor_pool_args(p)
     p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
     p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
@@ -99,5 +102,10 @@ def build_index(args: argparse.Namespace) -> dict:
                           batch_size=args.batch_size, token_budget=args.token_budget,
                           index_threads=args.index_threads)
     config.validate()
+    if getattr(args, "save_settings", False):
+        from ckray.deploy import save_deploy_setting
+
+        save_deploy_setting(checkpoint, "impact", {"top_k": top_k, "explicit_weight": explicit_weight,
+                                                   "tuned_on": {"data": str(args.data)}})
     prepare_collection(args.data, args.workdir, split=None, bm25=False)  # shards, when there are none yet
     return build_impact_index(args.workdir, checkpoint, config, settings_source=source)
