@@ -14,8 +14,8 @@ from typing import Any, Mapping
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
 from ckray.errors import ConfigError
 from ckray.options import add_options, options_from_args
-from ckray.workdir import WorkDir
 from ckray.training import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
+from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 

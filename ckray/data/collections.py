@@ -269,15 +269,15 @@ def read_trec_run(path: Path) -> Run:
 
 
 def write_trec_run(run: Run, path: Path, tag: str = "ckray") -> None:
-    """Write a run atomically (temporary file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    """Write a run atomically (``ckray.data.shards.atomic_target``): a write that fails midway (an error,
+    a full or read-only file system) leaves the previous file as it was and no temporary file; an OS
+    error becomes a CkrayError naming the path."""
+    from ckray.data.shards import atomic_target
+
+    with atomic_target(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for qid, docs in run.items():
             for rank, (did, score) in enumerate(docs, start=1):
                 f.write(f"{qid} Q0 {did} {rank} {score:.6f} {tag}\n")
-    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------- whole collections

@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 from ckray.data.collections import CORPUS_SCHEMA, doc_text
 from ckray.data.shards import MANIFEST, file_sha256, read_json, shard_paths, shards_dir, write_json_atomic
 from ckray.errors import CollectionError, DuplicateDocumentError, MissingArtifactError
+from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ WRITERS = r'''
 import json, os, sys
 from pathlib import Path
 import numpy as np, pyarrow as pa
+from ckray.data.collections import write_trec_run
 from ckray.data.shards import write_json_atomic, write_parquet_atomic
 from ckray.errors import CkrayError
 
@@ -44,7 +45,9 @@ big = pa.table({"doc_id": [f"d{i}" for i in range(2000)],
                 "text": [rng.bytes(200).hex() for _ in range(2000)]})  # ~800 kB, incompressible
 results = {}
 for name, write in (("part.parquet", lambda p: write_parquet_atomic(big, p)),
-                    ("meta.json", lambda p: write_json_atomic({"x": "y" * 400_000}, p))):
+                    ("meta.json", lambda p: write_json_atomic({"x": "y" * 400_000}, p)),
+                ("run.trec", lambda p: write_trec_run({f"q{i}": [(f"d{j}", 1.0) for j in range(1000)]
+                                                       for i in range(20)}, p))):  # ~0.6 MB
     try:
         write(d / name)
         results[name] = "written"
@@ -69,7 +72,7 @@ print("RESULTS " + json.dumps(results))
 def previous_artifacts() -> str:
     """bash: write the artifacts a failed write must leave alone."""
     return ('mkdir -p "$D/ckpt" && echo previous > "$D/part.parquet" && echo "{}" > "$D/meta.json" '
-            '&& echo old > "$D/ckpt/config.json"\n')
+            '&& echo "q0 Q0 d0 1 1.000000 previous" > "$D/run.trec" && echo old > "$D/ckpt/config.json"\n')
 
 
 def results_of(p: subprocess.CompletedProcess) -> dict:
@@ -97,12 +100,32 @@ def test_atomic_writers_on_a_full_or_read_only_file_system(tmp_path, fs):
                            f'$PYTHON {tmp_path / "writers.py"} "$D" checkpoint\n' + LIST_AFTER)
     results = results_of(p)
     reason = "No space left on device" if fs == "full" else "Read-only file system"
-    for name in ("part.parquet", "meta.json", "ckpt"):
+    for name in ("part.parquet", "meta.json", "run.trec", "ckpt"):
         message = results[name]
         assert message.startswith(f"cannot write {d / name}: ") and reason in message, message
         assert message.endswith(f"; the previous {name}, if any, is unchanged"), message
     # previous artifacts untouched, no temporary file left
-    assert after(p) == {"part.parquet": "previous\n", "meta.json": "{}\n", "ckpt/config.json": "old\n"}
+    assert after(p) == {"part.parquet": "previous\n", "meta.json": "{}\n", "run.trec": "q0 Q0 d0 1 1.000000 previous\n",
+                        "ckpt/config.json": "old\n"}
+
+
+def test_a_run_file_write_that_fails_midway_leaves_the_previous_run(tmp_path):
+    """write_trec_run stopped by an error after some lines were written: the previous run file is
+    as it was and no temporary file is left; a later write replaces it whole."""
+    from ckray.data.collections import read_trec_run, write_trec_run
+
+    path = tmp_path / "runs" / "bm25-test.trec"
+    write_trec_run({"q1": [("d1", 2.0), ("d2", 1.0)]}, path, tag="previous")
+    before = path.read_bytes()
+    bad = {f"q{i}": [(f"d{j}", 1.0) for j in range(100)] for i in range(50)}
+    bad["q49"][50] = ("d50", None)  # cannot be formatted: the write fails after ~4,950 lines
+    with pytest.raises(TypeError):
+        write_trec_run(bad, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == ["bm25-test.trec"], "a temporary file was left behind"
+    bad["q49"][50] = ("d50", 1.0)
+    write_trec_run(bad, path)
+    assert {q: len(d) for q, d in read_trec_run(path).items()} == {f"q{i}": 100 for i in range(50)}
 
 
 @pytest.mark.slow
