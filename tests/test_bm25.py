@@ -200,7 +200,7 @@ def test_hard_negatives_from_a_mined_run_replace_part_of_the_bm25_ones(sample_wo
     with pytest.raises(MissingArtifactError, match="--hard-negative-run .*nope.trec.*--split train"):
         build_training_data(w, c.queries, c.qrels["train"],
                             TrainingDataConfig(**cfg, hard_negative_run=str(tmp_path / "nope.trec"), hard_negatives_per_positive=1))
-    with pytest.raises(ConfigError, match="--hard-negatives-per-positive"):
+    with pytest.raises(ConfigError, match=r"^TrainingDataConfig\.hard_negatives_per_positive must be in \[0, "):
         TrainingDataConfig(negatives_per_positive=3, hard_negatives_per_positive=4, hard_negative_run=str(run_file))
 
 

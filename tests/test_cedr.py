@@ -226,3 +226,91 @@ def test_cedr_task_plugs_into_the_shared_loop_interface():
     scores = task.score(model, QUERIES, DOCS, [1.0, 2.0])
     assert scores.shape == (2,)
     torch.testing.assert_close(scores, model.score_texts(QUERIES, DOCS))
+
+
+# ---------------------------------------------------------------------------------------------- warm start
+
+WARM_QUERY = "does vitamin d deficiency cause bone fractures"
+WARM_DOCS = ["low vitamin d levels and deficiency raise the risk of bone fractures in older adults",
+             "vitamin c supplements shorten the common cold",
+             "the orchestra played a symphony in the old concert hall"]
+
+
+def test_warm_knrm_head_is_the_sum_of_near_exact_kernel_features():
+    """The warm KNRM head scores Σ_layers Σ_q log soft-TF of the μ = 0.9 and μ = 0.7 kernels / (L+1),
+    recomputed here from S with K-NRM's formula; [CLS] and every other kernel weigh 0."""
+    model = tiny("knrm", head_init="warm")
+    w = model.knrm_out.weight[0]
+    n_feat = model.n_channels * model.config.n_kernels
+    assert torch.all(w[n_feat:] == 0) and float(model.knrm_out.bias.detach()) == 0.0
+    per_layer = w[:n_feat].view(model.n_channels, -1)
+    assert torch.all(per_layer[:, 1:3] == 1.0 / model.n_channels)              # μ = 0.9, 0.7
+    assert torch.all(per_layer[:, 0] == 0) and torch.all(per_layer[:, 3:] == 0)  # exact, μ <= 0.5
+    with torch.no_grad():
+        e = model.encode(model.tokenize_pairs(QUERIES, DOCS))
+        k = torch.exp(-(e.sim[..., None] - torch.tensor([0.9, 0.7])) ** 2 / (2 * 0.1 ** 2))
+        k = k * e.doc_mask[:, None, None, :, None]
+        tf = torch.log(k.sum(dim=3).clamp(min=1e-10)) * e.query_mask[:, None, :, None]   # [B, L+1, Q, 2]
+        expected = tf.sum(dim=(1, 2, 3)) * model.config.knrm_feature_scale / model.n_channels
+        torch.testing.assert_close(model.score_encoding(e), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["knrm", "pacrr", "drmm"])
+def test_warm_heads_rank_by_lexical_match_at_step_0(variant):
+    """MiniLM (2 layers) with a warm head: more matched query terms, higher score; with the paper's
+    random head the same model gives other scores (the warm start is an initialisation of the head only)."""
+    torch.manual_seed(0)
+    warm = CEDRRanker(CEDRConfig(variant=variant, num_layers=2, max_length=64, head_init="warm")).eval()
+    scores = warm.score_texts([WARM_QUERY] * 3, WARM_DOCS)
+    assert scores[0] > scores[1] > scores[2], scores
+    torch.manual_seed(0)
+    random = CEDRRanker(CEDRConfig(variant=variant, num_layers=2, max_length=64)).eval()
+    torch.testing.assert_close(dict(random.encoder.named_parameters())["embeddings.word_embeddings.weight"],
+                               dict(warm.encoder.named_parameters())["embeddings.word_embeddings.weight"])
+    assert not torch.allclose(random.score_texts([WARM_QUERY] * 3, WARM_DOCS), scores)
+
+
+@pytest.mark.parametrize("variant", ["pacrr", "drmm"])
+def test_warm_heads_keep_every_parameter_trainable(variant):
+    """Warm PACRR/DRMM: every head parameter gets a gradient from the first training batch."""
+    model = tiny(variant, head_init="warm").train()
+    rows = {"query": np.array(QUERIES), "pos_text": np.array(DOCS), "neg_text": np.array(DOCS[::-1])}
+    model.pairwise_loss(model.collate_pairs(rows)).backward()
+    for name, p in model.named_parameters():
+        if not name.startswith("encoder."):
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    head = [p for n, p in model.named_parameters() if not n.startswith("encoder.")]
+    assert sum(float(p.grad.abs().sum()) for p in head) > 0
+
+
+def test_vanilla_warm_start_fits_the_cls_head_to_training_pairs(tmp_path):
+    model = tiny("vanilla", head_init="warm")
+    queries = QUERIES + QUERIES[::-1]
+    pos, neg = DOCS + DOCS[::-1], DOCS[::-1] + DOCS
+    before = model.vanilla_out.weight.clone()
+    model.warm_start_head(queries, pos, neg, batch_size=3)
+    assert not torch.equal(model.vanilla_out.weight, before) and float(model.vanilla_out.bias.detach()) == 0.0
+    s_pos, s_neg = model.score_texts(queries[:2], pos[:2]), model.score_texts(queries[:2], neg[:2])
+    assert torch.all(s_pos > s_neg)  # 2 distinct pairs, 32 dimensions: the probe orders both
+    save_model(model, tmp_path / "v")
+    loaded = load_model(tmp_path / "v")
+    assert loaded.config.head_init == "warm"
+    torch.testing.assert_close(loaded.score_texts(QUERIES, DOCS), model.score_texts(QUERIES, DOCS), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="starts warm in __init__"):
+        tiny("knrm", head_init="warm").warm_start_head(queries, pos, neg)
+
+
+def test_head_init_is_checked_and_the_vanilla_task_needs_warm_triples():
+    from ckray.errors import ConfigError
+    from ckray.rankers.cedr.task import CEDRTask
+
+    with pytest.raises(ValueError, match="head_init must be one of"):
+        CEDRConfig(head_init="lexical")
+    cfg = CEDRConfig(variant="vanilla", random_init=TINY, max_length=32, max_query_len=8, head_init="warm")
+    with pytest.raises(ConfigError, match="warm_triples"):
+        CEDRTask(cfg).build_model()
+    triples = {"query": QUERIES, "pos_text": DOCS, "neg_text": DOCS[::-1]}
+    model = CEDRTask(cfg, warm_triples=triples).build_model().eval()
+    assert torch.all(model.score_texts(QUERIES, DOCS) > model.score_texts(QUERIES, DOCS[::-1]))
+    assert not CEDRTask(CEDRConfig(variant="knrm", random_init=TINY, max_length=32, max_query_len=8,
+                                   head_init="warm")).needs_warm_triples

@@ -265,3 +265,51 @@ def test_score_head_learns_faster_than_the_encoder_and_every_parameter_is_traine
         is_head = {id(p) in head for p in g["params"]}
         assert len(is_head) == 1, "a group mixes head and encoder parameters"
         assert g.get("lr") == (pytest.approx(1e-3) if is_head == {True} else None), g.keys()
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm start: the score head fitted to training triples (an initialisation, not a new score)
+# ---------------------------------------------------------------------------------------------
+
+WARM_TRIPLES = {"query": QUERIES + QUERIES[::-1], "pos_text": DOCS + DOCS[::-1],
+                "neg_text": [long_doc(30), "unrelated text about trains. and boats.", DOCS[0], DOCS[1]]}
+
+
+def test_warm_start_head_orders_the_triples_it_is_fitted_to(tmp_path):
+    torch.manual_seed(0)
+    task = QDSTask(model_config=tiny(head_init="warm"), warm_triples=WARM_TRIPLES)
+    m = task.build_model()
+    q, pos, neg = (WARM_TRIPLES[c] for c in ("query", "pos_text", "neg_text"))
+    s_pos, s_neg = m.score_texts(q, pos), m.score_texts(q, neg)
+    assert torch.all(s_pos > s_neg), (s_pos, s_neg)
+    assert float(m.score.bias.detach()) == 0.0
+    cls = m.cls_vectors(q, pos)
+    torch.testing.assert_close(m.score(cls).squeeze(-1), s_pos, atol=1e-5, rtol=1e-5)  # still w · h_[CLS] + b
+    save_model(m, tmp_path / "qds")
+    loaded = load_model(tmp_path / "qds")
+    assert loaded.config.head_init == "warm"
+    torch.testing.assert_close(loaded.score_texts(q, pos), s_pos, atol=0, rtol=0)
+
+
+def test_warm_start_needs_triples_and_a_known_head_init():
+    with pytest.raises(ConfigError, match="head_init"):
+        tiny(head_init="lexical")
+    with pytest.raises(ConfigError, match="warm_triples"):
+        QDSTask(model_config=tiny(head_init="warm")).build_model()
+    torch.manual_seed(0)
+    m = QDSTransformer(tiny())
+    with pytest.raises(ValueError, match="aligned, non-empty"):
+        m.warm_start_head(QUERIES, DOCS, DOCS[:1])
+
+
+def test_pairwise_probe_recovers_a_separating_direction():
+    from ckray.models.losses import pairwise_probe
+
+    g = torch.Generator().manual_seed(0)
+    direction = torch.randn(16, generator=g)
+    neg = torch.randn(64, 16, generator=g)
+    pos = neg + 0.5 * direction + 0.1 * torch.randn(64, 16, generator=g)
+    w = pairwise_probe(pos, neg)
+    assert torch.all((pos - neg) @ w > 0)
+    assert torch.nn.functional.cosine_similarity(w, direction, dim=0) > 0.9
+    torch.testing.assert_close(pairwise_probe(10 * pos, 10 * neg), w / 10)  # scale-free ridge

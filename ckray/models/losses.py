@@ -46,3 +46,20 @@ def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", m
     if reduction == "none":
         return loss
     raise ConfigError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+
+
+def pairwise_probe(pos: torch.Tensor, neg: torch.Tensor, l2: float = 1.0) -> torch.Tensor:
+    """A linear scoring direction ``w`` fitted in closed form to pairs of feature vectors ``pos[i]``,
+    ``neg[i]`` (``[N, H]``): ridge regression of ``(pos[i] − neg[i]) · w ≈ 1``, i.e.
+    ``w = (DᵀD + l2·tr(DᵀD)/H · I)⁻¹ Dᵀ1`` with ``D = pos − neg`` (``l2`` relative to the mean
+    eigenvalue, so it does not depend on the features' scale). The least-squares stand-in for the
+    pairwise loss: a score head ``w · h`` initialised with it orders each pair's d+ above its d−
+    as far as a linear function of the features can from ``N`` pairs. Computed in float64 → ``[H]``."""
+    if pos.shape != neg.shape or pos.dim() != 2 or pos.shape[0] < 1:
+        raise ValueError(f"pairwise_probe needs two [N, H] tensors with N >= 1, got {tuple(pos.shape)} "
+                         f"and {tuple(neg.shape)}")
+    d = (pos - neg).double()
+    gram = d.T @ d
+    ridge = l2 * gram.trace().clamp(min=1e-12) / gram.shape[0]
+    w = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], dtype=d.dtype), d.sum(dim=0))
+    return w.to(pos.dtype)

@@ -17,4 +17,7 @@ class CEDROptions:
     num_layers: int | None = option(None, "use only the first L encoder layers (default: all of them)")
     max_length: int = option(512, "tokens per (query, segment) input")
     max_segments: int = option(4, "segments per long document")
+    head_init: str = option("warm", "how the ranker head starts: as a lexical matcher over the similarity matrices "
+                                    "(warm; vanilla: fitted to the first training triples) or the paper's random "
+                                    "initialisation (random)", choices=("warm", "random"))
 

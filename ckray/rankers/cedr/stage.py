@@ -13,9 +13,15 @@ def train(options: CEDROptions, args: argparse.Namespace):
     and loop from ``args`` (a training job's flags)."""
     from ckray.rankers.cedr.model import CEDRConfig
     from ckray.rankers.cedr.task import CEDRTask
-    from ckray.train_job import run_training, training_config
+    from ckray.rankers.qds.task import probe_triples
+    from ckray.train_job import run_training, training_config, training_data
 
     config = CEDRConfig(variant=options.variant, encoder=options.encoder, num_layers=options.num_layers,
-                        max_length=options.max_length, max_segments=options.max_segments)
+                        max_length=options.max_length, max_segments=options.max_segments,
+                        head_init=options.head_init)
     task = CEDRTask(model_config=config)
-    return run_training(task, args, training_config(args, task.name, **SPEC.training.defaults))
+    train_config = training_config(args, task.name, **SPEC.training.defaults)  # flag errors before the data
+    td = training_data(args)
+    if task.needs_warm_triples:
+        task.warm_triples = probe_triples(td)
+    return run_training(task, args, train_config, td)

@@ -10,6 +10,7 @@ import torch
 
 from ckray.models.encoders import load_tokenizer
 from ckray.rankers.cedr.model import Batch, CEDRConfig, CEDRRanker, collate_pairs
+from ckray.rankers.qds.task import warm_start_from
 from ckray.training import RankerTask
 
 
@@ -21,14 +22,24 @@ class CEDRTask(RankerTask):
     model_config: CEDRConfig = field(default_factory=CEDRConfig)
     name: str = ""
     head_lr_multiplier: float = 50.0
+    # (query, pos_text, neg_text) texts the vanilla ranker's warm head is fitted to
+    # (``ckray.rankers.qds.task.probe_triples``); the other variants start warm without data
+    warm_triples: dict[str, list[str]] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             v = self.model_config.variant
             self.name = "vanilla-bert" if v == "vanilla" else f"cedr-{v}"
 
+    @property
+    def needs_warm_triples(self) -> bool:
+        return self.model_config.head_init == "warm" and self.model_config.variant == "vanilla"
+
     def build_model(self) -> CEDRRanker:
-        return CEDRRanker(self.model_config)
+        model = CEDRRanker(self.model_config)
+        if self.needs_warm_triples:
+            warm_start_from(model, self.warm_triples, self.name)
+        return model
 
     def collate(self, rows: Mapping[str, np.ndarray]) -> Batch:
         cfg = self.model_config

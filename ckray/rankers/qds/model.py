@@ -24,6 +24,12 @@ LayerNorm are the ``BertLayer`` submodules, run by ``QDSTransformer._layer`` bel
 embeddings are extended past 512 by copying the pretrained table (row i ← row i mod 512), as
 Longformer did. The relevance score is a linear head on the final [CLS] vector.
 
+Warm start (``head_init="warm"``; ``"random"``: the paper's N(0, 0.02) head). The head's initial
+weight is the pairwise probe of a few training triples (``QDSTransformer.warm_start_head``,
+``ckray.models.losses.pairwise_probe``): the linear function of the untrained model's [CLS] vector
+that best orders each d+ above its d−, bias 0, fitted by the training task before step 0. Only the
+initial value of ``score`` changes; the score is ``w · h_[CLS] + b`` either way.
+
 With a window covering the whole sequence the model is exactly BERT on ``[CLS] q [SEP] d [SEP]``
 (plus the [SOS] tokens), which ``tests/test_qds_model.py`` checks. Encoders: BERT-family models
 whose layers have BERT's submodules and whose positions start at 0 (BERT, MiniLM, ELECTRA);
@@ -45,13 +51,15 @@ from transformers import AutoModel
 
 from ckray.errors import ConfigError
 from ckray.models.encoders import DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, resolve_encoder
-from ckray.models.losses import pairwise_loss
+from ckray.models.losses import pairwise_loss, pairwise_probe
 from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
+
+HEAD_INITS = ("warm", "random")
 
 @dataclass
 class QDSConfig:
@@ -68,6 +76,8 @@ class QDSConfig:
     block_size:       band block of the sparse attention (None: w // 2).
     num_layers:       keep only the first layers of the encoder (None: all).
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
+    head_init:        "warm" (the score head fitted by ``warm_start_head`` before training, module
+                      docstring) or "random"; recorded so a checkpoint says how its training started.
     pretrained:       load pretrained encoder weights in ``__init__``. A constructed model records the
                       (position-extended) architecture in ``bert_config`` and sets this to False in
                       ``self.config``, so a checkpoint rebuilds it without fetching weights.
@@ -85,6 +95,7 @@ class QDSConfig:
     block_size: int | None = None
     num_layers: int | None = None
     gradient_checkpointing: bool = False
+    head_init: str = "random"
     pretrained: bool = True
     bert_config: dict[str, Any] | None = field(default=None)
 
@@ -92,6 +103,8 @@ class QDSConfig:
         self.encoder = str(self.encoder)
         if self.pattern not in PATTERNS:
             raise ConfigError(f"QDSConfig.pattern must be one of {PATTERNS}, got {self.pattern!r}")
+        if self.head_init not in HEAD_INITS:
+            raise ConfigError(f"QDSConfig.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
         if self.window < 0:
             raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
         if self.max_query_length < 1 or self.max_length < self.max_query_length + 4:
@@ -245,6 +258,30 @@ class QDSTransformer(nn.Module):
         """Relevance scores ``[B]`` of a batch from ``encode_pairs`` (or ``build_batch``)."""
         cls = self.encode(batch)[:, 0]
         return self.score(self.dropout(cls)).squeeze(-1)
+
+    def cls_vectors(self, queries: Sequence[str], docs: Sequence[str], batch_size: int = 8) -> torch.Tensor:
+        """Final [CLS] vectors ``[N, hidden]`` (fp32, CPU) of aligned (query, document) texts; no gradient,
+        eval mode (mode restored)."""
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                return torch.cat([self.encode(self.build_batch(queries[i:i + batch_size], docs[i:i + batch_size]))
+                                  [:, 0].float().cpu() for i in range(0, len(docs), batch_size)])
+        finally:
+            self.train(was_training)
+
+    @torch.no_grad()
+    def warm_start_head(self, queries: Sequence[str], pos_docs: Sequence[str], neg_docs: Sequence[str],
+                        batch_size: int = 8) -> None:
+        """Set the score head to the pairwise probe of (query, d+, d−) triples (module docstring)."""
+        if not (len(queries) == len(pos_docs) == len(neg_docs)) or not queries:
+            raise ValueError(f"warm_start_head needs aligned, non-empty triples, got {len(queries)} queries, "
+                             f"{len(pos_docs)} positives, {len(neg_docs)} negatives")
+        pos = self.cls_vectors(queries, pos_docs, batch_size)
+        neg = self.cls_vectors(queries, neg_docs, batch_size)
+        self.score.weight.copy_(pairwise_probe(pos, neg)[None].to(self.score.weight))
+        self.score.bias.zero_()
 
     # -- text API ---------------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ class QDSOptions:
     max_length: int = option(2048, "tokens of [CLS] query [SEP] [SOS] sentences …")
     window: int = option(128, "local attention window w")
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
+    head_init: str = option("warm", "how the [CLS] score head starts: fitted to the first training triples before "
+                                    "step 0 (warm) or the paper's random initialisation (random)",
+                            choices=("warm", "random"))
     head_lr_multiplier: float = option(1.0, "train the [CLS] score head this many times faster than the encoder")
 
     @property

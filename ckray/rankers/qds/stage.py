@@ -12,11 +12,15 @@ def train(options: QDSOptions, args: argparse.Namespace):
     """The QDS-Transformer cross-encoder → W/checkpoints/qds (qds-<pattern> for the ablations); the
     training data and loop from ``args`` (a training job's flags)."""
     from ckray.rankers.qds.model import QDSConfig
-    from ckray.rankers.qds.task import QDSTask
-    from ckray.train_job import run_training, training_config
+    from ckray.rankers.qds.task import QDSTask, probe_triples
+    from ckray.train_job import run_training, training_config, training_data
 
     o, name = options, options.checkpoint_name
     config = QDSConfig(encoder=o.encoder, max_length=o.max_length, window=o.window, pattern=o.pattern,
-                       gradient_checkpointing=o.gradient_checkpointing)
+                       gradient_checkpointing=o.gradient_checkpointing, head_init=o.head_init)
     task = QDSTask(model_config=config, name=name, head_lr_multiplier=o.head_lr_multiplier)
-    return run_training(task, args, training_config(args, name, **SPEC.training.defaults))
+    train_config = training_config(args, name, **SPEC.training.defaults)  # flag errors before the data
+    td = training_data(args)
+    if o.head_init == "warm":
+        task.warm_triples = probe_triples(td)
+    return run_training(task, args, train_config, td)

@@ -8,9 +8,29 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ckray.errors import ConfigError
 from ckray.models.encoders import load_tokenizer
 from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, triple_loss
 from ckray.training import RankerTask
+
+PROBE_TRIPLES = 32   # training triples a warm-started [CLS] head is fitted to (``warm_start_head``)
+PROBE_COLUMNS = ("query", "pos_text", "neg_text")
+
+
+def probe_triples(td, n: int = PROBE_TRIPLES) -> dict[str, list[str]]:
+    """The first ``n`` triples of a job's ``ckray.data.examples.TrainingData`` (its seeded shuffle, the
+    triples training starts with) as lists of texts: what a task's ``warm_triples`` holds."""
+    rows = td.head(n).to_pydict()
+    return {c: [str(x) for x in rows[c]] for c in PROBE_COLUMNS}
+
+
+def warm_start_from(model, triples: Mapping[str, list[str]] | None, task_name: str) -> None:
+    """``model.warm_start_head`` on a task's ``warm_triples``; a clear error when the task has none."""
+    if not triples or not triples.get("query"):
+        raise ConfigError(f"{task_name}: head_init='warm' fits the score head to training triples, but the task "
+                          f"has no warm_triples (set them with probe_triples(training_data), or use "
+                          f"head_init='random')")
+    model.warm_start_head(*(triples[c] for c in PROBE_COLUMNS))
 
 
 @dataclass
@@ -25,9 +45,15 @@ class QDSTask(RankerTask):
     # CEDR's head (ckray.rankers.cedr.model). 1.0 = the paper's plain fine-tuning. On SciFact (MiniLM, 512
     # tokens, 120 steps × 8 triples) 1× and 50× both ended at dev nDCG@10 0.31: the head is not the limit.
     head_lr_multiplier: float = 1.0
+    # (query, pos_text, neg_text) texts the warm head is fitted to (``probe_triples``); used when
+    # model_config.head_init == "warm"
+    warm_triples: dict[str, list[str]] | None = None
 
     def build_model(self) -> QDSTransformer:
-        return QDSTransformer(self.model_config)
+        model = QDSTransformer(self.model_config)
+        if self.model_config.head_init == "warm":
+            warm_start_from(model, self.warm_triples, self.name)
+        return model
 
     def collate(self, rows: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return collate_triples(rows, load_tokenizer(self.model_config.encoder), self.model_config)
