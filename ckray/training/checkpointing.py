@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckray.errors import ConfigError, MissingArtifactError
+from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.training.config import TrainConfig
 from ckray.training.task import METRIC, RankerTask
 
@@ -214,24 +214,55 @@ def _stored_result(run_dir: str) -> Any:
 
 def _check_resumable(run_dir: str, config: TrainConfig) -> dict | None:
     """Before any worker starts: the latest checkpoint of an existing run must be whole and
-    written with the same number of workers and ZeRO stage. Returns its state (None: fresh run).
+    written with the same number of workers and ZeRO stage. Returns its state (None: fresh run), with
+    ``registered``: whether Ray's record of the run lists it.
 
     Ray resumes a run from its own record of the checkpoints reported, which ``Result.from_path`` reads.
-    That raises where there is no such record: no run directory, or a run stopped before its first
-    checkpoint; Ray then starts afresh, and so does this. Where a checkpoint of ours is there all the
-    same, the run cannot be resumed and the error says so."""
+    That raises where there is no such record: no run directory, or a run stopped before Ray registered
+    its first checkpoint (a driver or worker that died right after writing one). The workers then resume
+    from the latest whole checkpoint of ours (:func:`resume_checkpoint`), or start afresh where there is
+    none; a run directory that holds only checkpoints that are not whole cannot be resumed, and the
+    error says so."""
     try:
-        latest = _stored_result(run_dir).checkpoint
+        registered = _stored_result(run_dir).checkpoint
     except Exception as exc:
         if not _holds_checkpoints(run_dir):
             return None  # nothing to resume from
-        raise MissingArtifactError(f"cannot resume training run {run_dir}: {exc}; delete it or pass "
-                                   "resume=False / --no-resume to start over") from exc
+        latest, _ = resume_checkpoint(run_dir, None)
+        if latest is None:
+            raise MissingArtifactError(f"cannot resume training run {run_dir}: {exc}; delete it or pass "
+                                       "resume=False / --no-resume to start over") from exc
+        registered = None
+    else:
+        latest, _ = resume_checkpoint(run_dir, registered)
     if latest is None:
         return None
     state = verify_checkpoint(latest.path, latest.filesystem)
     _check_compatible(state, config, config.workers, latest.path)
-    return state
+    return {**state, "registered": registered is not None and latest.path == registered.path}
+
+
+def resume_checkpoint(run_dir: str, registered: Any) -> tuple[Any, int | None]:
+    """The checkpoint a worker group resumes from, and its step: Ray's latest registered one
+    (``registered``, a ``ray.train.Checkpoint`` or None), or a whole checkpoint of ours in ``run_dir``
+    at a later step that Ray never registered (its report was lost with a worker or driver that died
+    right after writing it); (None, None): start at step 0."""
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint
+
+    best, best_step = None, -1
+    if registered is not None:
+        best, best_step = registered, int(verify_checkpoint(registered.path, registered.filesystem)["step"])
+    fs, path = _filesystem(run_dir)
+    children = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    for child in sorted((c.path for c in children if c.type == pafs.FileType.Directory)):
+        try:
+            step = int(verify_checkpoint(child, fs)["step"])
+        except MissingArtifactError:
+            continue   # not a checkpoint, or not whole
+        if step > best_step:
+            best, best_step = Checkpoint(path=child, filesystem=fs), step
+    return (best, best_step) if best is not None else (None, None)
 
 
 def _holds_checkpoints(run_dir: str) -> bool:
@@ -244,6 +275,28 @@ def _holds_checkpoints(run_dir: str) -> bool:
     subdirs = [c.path for c in children if c.type == pafs.FileType.Directory]
     marks = fs.get_file_info([f"{d}/{name}" for d in subdirs for name in (STATE_FILE, DS_TAG)])
     return any(m.type != pafs.FileType.NotFound for m in marks)
+
+
+class WorkersLostError(CkrayError):
+    """Training workers failed more often than ``max_failures`` allows; the message names the checkpoint the
+    same command resumes from."""
+
+
+def workers_lost(run_dir: str, max_failures: int, reason: str) -> WorkersLostError:
+    """The error of a run whose workers failed ``max_failures + 1`` times: why, and the checkpoint a rerun
+    resumes from (:func:`resume_checkpoint`), with its step, or that a rerun starts at step 0."""
+    try:
+        registered = _stored_result(run_dir).checkpoint
+    except Exception:  # no record of Ray's
+        registered = None
+    latest, step = resume_checkpoint(run_dir, registered)
+    if latest is not None:
+        resume = (f"the latest checkpoint is {latest.path} (step {step}); run the same command again to resume "
+                  "from it")
+    else:
+        resume = "no checkpoint was saved yet; running the same command again starts at step 0"
+    return WorkersLostError(f"training run {run_dir}: a worker failed {max_failures + 1} time(s), more than "
+                            f"max_failures = {max_failures} (--max-failures) allows ({reason}); {resume}")
 
 
 def _record_attempt(run_dir: str, fit_id: str, start_step: int) -> None:

@@ -22,7 +22,8 @@
   ``ray.train.report``. Ray keeps the ``keep_checkpoints`` best by dev nDCG@10, plus the latest.
 * Resume: a run is identified by ``storage_dir/run_name`` (``run_name`` defaults to ``task.name``).
   Calling ``fit`` again with the same storage continues from the latest checkpoint, at its step;
-  a worker failure is retried ``max_failures`` times from the latest checkpoint (``FailureConfig``).
+  a worker failure is retried ``max_failures`` times from the latest checkpoint (``FailureConfig``);
+  one more is a :class:`~ckray.training.checkpointing.WorkersLostError` naming that checkpoint.
   ``resume=False`` deletes the run directory first.
 * At the end the best checkpoint is consolidated to plain weights in ``output_dir`` with
   :func:`ckray.models.checkpoint.save_model` (``config.json`` + ``model.safetensors``), with the
@@ -52,7 +53,7 @@ from ckray.data.examples import DevSet
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.training.checkpointing import (_attempt_starts, _check_resumable, _initial_weights, _record_attempt,
                                           _remove_run_dir, _restore, _save, _storage_path, _stored_result,
-                                          consolidate, verify_checkpoint)
+                                          consolidate, resume_checkpoint, verify_checkpoint, workers_lost)
 from ckray.training.config import TrainConfig
 from ckray.training.dev import _DevEvaluator, _validate_dev
 from ckray.training.task import METRIC, TRIPLE_COLUMNS, RankerTask, TrainResult
@@ -98,7 +99,7 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
         latest_state = _check_resumable(run_dir, config)
 
     fit_id = uuid.uuid4().hex
-    if latest_state is not None and latest_state["step"] >= config.max_steps:
+    if latest_state is not None and latest_state["registered"] and latest_state["step"] >= config.max_steps:
         print(f"[ckray.train {task.name}] {run_dir} is already at step {latest_state['step']} >= "
               f"max_steps {config.max_steps}: nothing to train", flush=True)
         result = _stored_result(run_dir)
@@ -161,13 +162,26 @@ def _run_trainer(task: RankerTask, dataset: Any, dev: DevSet, config: TrainConfi
                                                checkpoint_score_order="max")),
         datasets={TRAIN_DATASET: dataset},
     )
+    from ray.train import WorkerGroupError
+
     try:
         return trainer.fit()
     except Exception as exc:  # Ray wraps worker errors; surface ours with their own message
         cause = _find_ckray_error(exc)
         if cause is not None:
             raise type(cause)(str(cause)) from exc
+        if isinstance(exc, WorkerGroupError):  # retried max_failures times already
+            raise workers_lost(run_dir, config.max_failures, _first_failure(exc)) from exc
         raise
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line on why a worker group failed: the first worker's error, its last line (the exception)."""
+    failures = list(getattr(exc, "worker_failures", {}).items())
+    rank, error = failures[0] if failures else (None, exc)
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    what = lines[-1] if lines else type(error).__name__
+    return f"worker {rank}: {what}" if rank is not None else what
 
 
 def _ensure_ray() -> None:
@@ -267,7 +281,7 @@ def _train_worker(loop_config: dict) -> None:
         "zero_stage": cfg.zero_stage, "ds_zero_stage": _effective_zero_stage(cfg, world),
         "examples_seen": 0, "history": [], "metric": None,
     }
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint, _ = resume_checkpoint(loop_config["run_dir"], ray.train.get_checkpoint())
     if checkpoint is not None:
         with checkpoint.as_directory() as ckpt_dir:
             state = _restore(engine, Path(ckpt_dir), rank, cfg, world)
