@@ -18,21 +18,29 @@ import argparse
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ckray.errors import ConfigError
+from ckray.options import add_options, option
 from ckray.rankers import TrainingStage, indexed, trainable
 
 if TYPE_CHECKING:
     from ckray.training import TrainConfig
 
 
+@dataclass(frozen=True)
+class ActorPoolOptions:
+    """The Ray Data actor pool of an index job (impact scoring, dense embedding): its flags."""
+
+    actors: int = option(1, "actor pool size (one model copy each)")
+    use_gpu: bool = option(False, "one GPU per actor")
+    cpus_per_actor: float = option(1.0, "CPUs (and torch threads) per actor")
+
+
 def add_actor_pool_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The Ray Data actor pool of an index job (impact scoring, dense embedding)."""
-    p.add_argument("--actors", type=int, default=1, help="actor pool size (one model copy each)")
-    p.add_argument("--use-gpu", action="store_true", help="one GPU per actor")
-    p.add_argument("--cpus-per-actor", type=float, default=1.0, help="CPUs (and torch threads) per actor")
-    return p
+    """The actor-pool flags of an index job (:class:`ActorPoolOptions`)."""
+    return add_options(p, ActorPoolOptions)
 
 
 def print_json(summary: dict) -> None:
