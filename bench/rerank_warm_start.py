@@ -1,0 +1,176 @@
+"""Step-0 ranking of the cross-encoder rerankers: warm-started heads vs the papers' random heads.
+
+Dev split = SciFact *training* queries held back by ``ckray.data.examples.is_dev_query`` (the training
+jobs' ``--dev-fraction 0.15``, seed 0); SciFact test is never read. Each of the first ``--queries`` dev
+queries has its BM25 top ``--depth`` (the work directory's BM25 run of the training queries) rescored by
+
+* ``bm25``: the first stage itself (the order being reranked);
+* ``minilm-biencoder``: the zero-shot MiniLM bi-encoder (sentence-transformers' all-MiniLM-L6-v2: mean
+  of the token vectors, cosine; query and document encoded apart, documents at 256 word pieces);
+* ``cedr-{knrm,pacrr,drmm}`` and ``vanilla-bert``, warm (``head_init="warm"``) and random (the paper's
+  initialisation, torch seed 0), at the settings of record (MiniLM, 256 tokens × 2 segments). The
+  encoder is the same pretrained MiniLM in all eight models, so one encoder pass serves every head
+  (``CEDRRanker.score_encoding``);
+* ``qds`` warm and random, at its settings of record (MiniLM, 512 tokens, window 128): one encoder
+  pass, the [CLS] vectors scored by each head.
+
+The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) are fitted on
+``--probe-triples`` (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of
+*non-dev* training queries, as the training jobs do with their first triples.
+
+    python bench/rerank_warm_start.py --workdir W [--data DIR] [--queries 50] [--depth 30] [--probe-triples 32]
+
+``W``: a work directory prepared on SciFact (``jobs/prepare.py``). Prints nDCG@10 per model and ends
+with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ckray.data.collections import read_queries_and_qrels  # noqa: E402
+from ckray.data.docstore import DocStore  # noqa: E402
+from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
+from ckray.eval import ndcg_at_10  # noqa: E402
+
+CEDR_SETTINGS = dict(max_length=256, max_segments=2)        # the CEDR runs of record (docs/results.md)
+QDS_SETTINGS = dict(max_length=512, window=128, pattern="qds")  # the QDS run of record
+
+
+def load_dev(data: Path, workdir: str, n_queries: int, depth: int, n_probe: int, seed: int = 0):
+    """Dev queries, their BM25 candidates and texts, their qrels; probe triples from non-dev queries."""
+    queries, qrels = read_queries_and_qrels(data)
+    train = {q: r for q, r in qrels["train"].items() if q in queries and any(v > 0 for v in r.values())}
+    dev_q = [q for q in sorted(train) if is_dev_query(q, 0.15, 0)][:n_queries]
+    rest = [q for q in sorted(train) if not is_dev_query(q, 0.15, 0)]
+    random.Random(seed).shuffle(rest)
+    run = read_negatives(workdir, "train", dev_q + rest[: 4 * n_probe], depth)
+    store = DocStore(workdir)
+    rng = random.Random(seed)
+    probe: list[tuple[str, str, str]] = []
+    for q in rest[: 4 * n_probe]:
+        pos = [d for d, r in train[q].items() if r > 0]
+        neg = [d for d, _ in run.get(q, []) if train[q].get(d, 0) <= 0]
+        if pos and neg and len(probe) < n_probe:
+            probe.append((queries[q], store.text(rng.choice(pos)), store.text(rng.choice(neg))))
+    pairs = [(q, d) for q in dev_q for d, _ in run.get(q, [])]
+    texts = {d: store.text(d) for _, d in pairs}
+    bm25 = {q: list(run.get(q, [])) for q in dev_q}
+    return {q: queries[q] for q in dev_q}, pairs, texts, {q: train[q] for q in dev_q}, bm25, probe
+
+
+def ndcg(pairs: list[tuple[str, str]], scores: torch.Tensor, qrels) -> float:
+    run: dict[str, list[tuple[str, float]]] = {}
+    for (q, d), s in zip(pairs, scores.tolist()):
+        run.setdefault(q, []).append((d, float(s)))
+    return round(float(ndcg_at_10(run, qrels)), 4)
+
+
+def biencoder_scores(queries, pairs, texts, batch_size: int) -> torch.Tensor:
+    """Zero-shot MiniLM: cosine of the mean-pooled token vectors, query and document encoded apart."""
+    from ckray.models.encoders import load_encoder, load_tokenizer
+
+    tok, enc = load_tokenizer(), load_encoder().eval()
+
+    @torch.no_grad()
+    def embed(texts_: list[str], max_length: int) -> torch.Tensor:
+        out = []
+        for i in range(0, len(texts_), batch_size):
+            b = tok(texts_[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
+                    return_tensors="pt")
+            h = enc(**b).last_hidden_state
+            m = b["attention_mask"][..., None].to(h.dtype)
+            out.append(F.normalize((h * m).sum(1) / m.sum(1).clamp(min=1), dim=-1))
+        return torch.cat(out)
+
+    qids = sorted(queries)
+    q_vec = dict(zip(qids, embed([queries[q] for q in qids], 64)))
+    doc_ids = sorted({d for _, d in pairs})
+    d_vec = dict(zip(doc_ids, embed([texts[d] for d in doc_ids], 256)))
+    return torch.stack([q_vec[q] @ d_vec[d] for q, d in pairs])
+
+
+def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torch.Tensor]:
+    """Every CEDR variant, warm and random, over one shared encoding of each batch."""
+    from ckray.rankers.cedr.model import VARIANTS, CEDRConfig, CEDRRanker
+
+    models = {}
+    for init in ("warm", "random"):
+        for v in VARIANTS:
+            torch.manual_seed(0)
+            name = ("vanilla-bert" if v == "vanilla" else f"cedr-{v}") + f"/{init}"
+            models[name] = CEDRRanker(CEDRConfig(variant=v, head_init=init, **CEDR_SETTINGS)).eval()
+    models["vanilla-bert/warm"].warm_start_head(*map(list, zip(*probe)))
+    first = next(iter(models.values()))
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in models}
+    with torch.no_grad():
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i:i + batch_size]
+            e = first.encode(first.tokenize_pairs([queries[q] for q, _ in chunk], [texts[d] for _, d in chunk]))
+            for name, m in models.items():
+                out[name].append(m.score_encoding(e))
+    return {name: torch.cat(s) for name, s in out.items()}
+
+
+def qds_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torch.Tensor]:
+    """The QDS-Transformer's [CLS] vectors once; the random head and the probe-fitted warm head on them."""
+    from ckray.rankers.qds.model import QDSConfig, QDSTransformer
+
+    torch.manual_seed(0)
+    model = QDSTransformer(QDSConfig(**QDS_SETTINGS)).eval()
+    cls = model.cls_vectors([queries[q] for q, _ in pairs], [texts[d] for _, d in pairs], batch_size)
+    with torch.no_grad():
+        random_scores = model.score(cls).squeeze(-1)
+        model.warm_start_head(*map(list, zip(*probe)), batch_size=batch_size)
+        warm_scores = model.score(cls).squeeze(-1)
+    return {"qds/warm": warm_scores, "qds/random": random_scores}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", required=True, help="a work directory prepared on SciFact (jobs/prepare.py)")
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"))
+    ap.add_argument("--queries", type=int, default=50, help="dev queries (the first of the dev split, by id)")
+    ap.add_argument("--depth", type=int, default=30, help="BM25 candidates reranked per query")
+    ap.add_argument("--probe-triples", type=int, default=32, help="training triples the probe heads are fitted on")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: cedr, qds, biencoder")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    skip = set(filter(None, args.skip.split(",")))
+
+    queries, pairs, texts, qrels, bm25, probe = load_dev(Path(args.data), args.workdir, args.queries, args.depth,
+                                                         args.probe_triples)
+    result: dict = {"bench": "rerank_warm_start", "dev_queries": len(queries), "depth": args.depth,
+                    "pairs": len(pairs), "probe_triples": len(probe), "ndcg@10": {}, "seconds": {}}
+    result["ndcg@10"]["bm25"] = ndcg(pairs, torch.tensor([s for q in sorted(queries) for _, s in bm25[q]]), qrels)
+    parts = {"biencoder": lambda: {"minilm-biencoder": biencoder_scores(queries, pairs, texts, args.batch_size)},
+             "cedr": lambda: cedr_scores(queries, pairs, texts, probe, args.batch_size),
+             "qds": lambda: qds_scores(queries, pairs, texts, probe, args.batch_size)}
+    for part, run in parts.items():
+        if part in skip:
+            continue
+        start = time.perf_counter()
+        for name, scores in run().items():
+            result["ndcg@10"][name] = ndcg(pairs, scores, qrels)
+        result["seconds"][part] = round(time.perf_counter() - start, 1)
+        print(f"{part}: {result['seconds'][part]} s; nDCG@10 so far {json.dumps(result['ndcg@10'])}", file=sys.stderr)
+    for name, value in result["ndcg@10"].items():
+        print(f"{name:24s} {value:.4f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
