@@ -177,7 +177,7 @@ def _settings(workdir: Path, config: BenchmarkConfig) -> dict:
 
 
 def benchmark_table(metrics: dict[str, dict[str, dict[str, float]]], pipelines: list[str], measure: str) -> dict:
-    """``{"measure", "collections", "rows": {pipeline: {collection: value, "mean": value}}}``; a measure
+    """``{"measure", "collections", "pipelines", "rows": {pipeline: {collection: value, "mean": value}}}``; a measure
     no pipeline has is an error naming the ones there are."""
     collections = list(metrics)
     rows = {}
@@ -190,7 +190,7 @@ def benchmark_table(metrics: dict[str, dict[str, dict[str, float]]], pipelines: 
             values[c] = float(got[measure])
         values["mean"] = sum(values.values()) / len(collections)
         rows[p] = values
-    return {"measure": measure, "collections": collections, "rows": rows}
+    return {"measure": measure, "collections": collections, "pipelines": list(pipelines), "rows": rows}
 
 
 def markdown_table(table: dict) -> str:
@@ -198,7 +198,8 @@ def markdown_table(table: dict) -> str:
     cols = table["collections"] + ["mean"]
     best = {c: max(r[c] for r in table["rows"].values()) for c in cols}
     lines = [f"| {table['measure']} | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-    for p, row in table["rows"].items():
+    for p in table["pipelines"]:
+        row = table["rows"][p]
         cells = [f"**{row[c]:.3f}**" if row[c] == best[c] and len(table["rows"]) > 1 else f"{row[c]:.3f}"
                  for c in cols]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
@@ -223,15 +224,15 @@ def _chart(table: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cols = table["collections"] + ["mean"]
-    rows = table["rows"]
+    rows = {p: table["rows"][p] for p in table["pipelines"]}  # the rows in the order asked (JSON sorts keys)
     width = 0.8 / max(1, len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cols) * max(1, len(rows)) / 2 + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cols) * max(1, len(rows)) / 2 + 2) + 2, 4))
     for i, (name, row) in enumerate(rows.items()):
         ax.bar([j + i * width for j in range(len(cols))], [row[c] for c in cols], width, label=name)
     ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(cols))], cols)
     ax.set_ylabel(table["measure"])
     ax.set_title(f"zero-shot {table['measure']}")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

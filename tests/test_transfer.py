@@ -156,7 +156,7 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
     root = tmp_path / "bench"
     table = api.benchmark([train_data, target], trained, pipelines, workdir_root=root, shards=2, rerank_depth=10,
                           index_options={"ck-qti": {"expansion_candidates": 16, "actors": 1}})
-    assert table["collections"] == ["sample", "target"] and list(table["rows"]) == pipelines
+    assert table["collections"] == ["sample", "target"] and table["pipelines"] == list(table["rows"]) == pipelines
     for row in table["rows"].values():
         assert 0 <= row["target"] <= 1 and row["mean"] == pytest.approx((row["sample"] + row["target"]) / 2)
     assert table["rows"]["bm25"]["target"] > 0.3   # the target's BM25 works: its qrels and corpus were read
