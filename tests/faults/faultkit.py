@@ -100,3 +100,38 @@ def flip_byte(path: Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+# A CK-QTI small enough to train in about a minute on two cores: one worker (Ray Train on one process),
+# one Conformer block, six steps with a checkpoint every two.
+TINY_CK = ["--workers", "1", "--max-steps", "6", "--eval-every", "2", "--batch-size", "2", "--layers", "1",
+           "--max-doc-len", "128", "--max-dev-queries", "5", "--dev-depth", "10", "--no-eval-at-start"]
+
+
+def train_args(data: Path, w: Path) -> list[str]:
+    """jobs/train_ck.py with :data:`TINY_CK`; writes W/checkpoints/ck-qti, its run under W/train."""
+    return ["jobs/train_ck.py", "--data", str(data), "--workdir", str(w), *TINY_CK]
+
+
+def impact_args(data: Path, w: Path, checkpoint: Path) -> list[str]:
+    """jobs/build_impact_index.py: one actor, batches of 8 documents (many batches per shard)."""
+    return ["jobs/build_impact_index.py", "--data", str(data), "--workdir", str(w), "--checkpoint", str(checkpoint),
+            "--actors", "1", "--batch-size", "8", "--top-k", "32", "--index-threads", "1"]
+
+
+def dense_args(data: Path, w: Path, checkpoint: Path) -> list[str]:
+    """jobs/build_dense_index.py: one actor, a flat index, λ tuned on the training queries."""
+    return ["jobs/build_dense_index.py", "--data", str(data), "--workdir", str(w), "--checkpoint", str(checkpoint),
+            "--actors", "1", "--index", "flat"]
+
+
+def same_weights(a: Path, b: Path) -> list[str]:
+    """The tensors of two saved checkpoints' ``model.safetensors``, asserted equal; returns their names."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert sorted(wa) == sorted(wb)
+    differ = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not differ, f"weights differ: {differ[:5]}"
+    return sorted(wa)
