@@ -32,7 +32,8 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,10 +48,47 @@ from ckray.errors import CkrayError, ConfigError
 log = logging.getLogger(__name__)
 
 SHOWN_MISSING = 5   # missing keys named per group in an error
+# what Ray Data appends to the message of an exception raised in a map function
+RAY_DATA_RETRY_NOTE = "\nFailed to apply UDF transform after "
 
 
 class BatchInferenceError(CkrayError):
     """Batch inference returned a row nobody asked for, or ended with rows missing (named)."""
+
+
+def ckray_cause(exc: BaseException | None, depth: int = 0) -> CkrayError | None:
+    """The CkrayError a Ray task, actor or Train worker raised, out of Ray's wrappers (``RayTaskError``,
+    Ray Data's ``UserCodeException``, Train's ``WorkerGroupError``): followed through ``cause``,
+    ``__cause__``, ``__context__`` and a worker group's failures. None: no CkrayError in the chain."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, CkrayError):  # RayTaskError.as_instanceof_cause() is an instance of the cause's class too
+        return exc.cause if isinstance(getattr(exc, "cause", None), CkrayError) else exc
+    inner: list[BaseException | None] = [getattr(exc, "cause", None), exc.__cause__, exc.__context__,
+                                         getattr(exc, "controller_failure", None)]
+    inner += list(getattr(exc, "worker_failures", {}).values())
+    for e in inner:
+        found = ckray_cause(e, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+@contextmanager
+def ckray_errors_surfaced() -> Iterator[None]:
+    """Around the driver's iteration over a Ray Data pipeline: a CkrayError raised in a task or actor
+    (a missing checkpoint, a malformed row) is raised here as itself — its own type and message, which a
+    job prints as one line with exit 2 — instead of inside Ray's wrappers and their tracebacks."""
+    try:
+        yield
+    except Exception as exc:
+        cause = ckray_cause(exc)
+        if cause is None or cause is exc:
+            raise
+        message = cause.args[0] if cause.args and isinstance(cause.args[0], str) else None
+        if message is not None and RAY_DATA_RETRY_NOTE in message:  # our one line, without Ray's note
+            cause.args = (message[:message.index(RAY_DATA_RETRY_NOTE)], *cause.args[1:])
+        raise cause from exc
 
 
 # =============================================================================================
@@ -99,7 +137,8 @@ def validate_checks(config: Any, checks: Iterable[tuple[bool, str]]) -> None:
 
 
 def map_on_actors(ds: Any, actor: type, constructor_kwargs: Mapping[str, Any], pool: ActorPoolConfig) -> Any:
-    """``ds.map_batches(actor, ...)`` on an actor pool of ``pool.actors`` (numpy batches in)."""
+    """``ds.map_batches(actor, ...)`` on an actor pool of ``pool.actors`` (numpy batches in); iterate the
+    result within :func:`ckray_errors_surfaced`."""
     import ray.data
 
     remote: dict[str, Any] = {"num_cpus": pool.cpus_per_actor, "max_restarts": pool.max_restarts,
@@ -110,8 +149,12 @@ def map_on_actors(ds: Any, actor: type, constructor_kwargs: Mapping[str, Any], p
     # through ray_remote_args, which warns that it is deprecated.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        return ds.map_batches(actor, fn_constructor_kwargs=dict(constructor_kwargs), batch_size=pool.batch_size,
-                              batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=pool.actors), **remote)
+        mapped = ds.map_batches(actor, fn_constructor_kwargs=dict(constructor_kwargs), batch_size=pool.batch_size,
+                                batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=pool.actors), **remote)
+    # an actor's own exception reaches the driver as such (not only as the text of Ray Data's
+    # UserCodeException), so ckray_errors_surfaced can raise a CkrayError as itself
+    mapped.context.raise_original_map_exception = True
+    return mapped
 
 
 def ensure_ray() -> None:
@@ -309,9 +352,20 @@ def _stream(job: ShardJob, pending: Sequence[Path], summary: dict) -> None:
     ds = ray.data.read_parquet([str(s) for s in pending], include_paths=True, columns=["doc_id", "title", "text"])
     ds = ds.repartition(target_num_rows_per_block=job.pool.batch_size)
     ds = map_on_actors(ds, job.actor, job.actor_kwargs, job.pool)
+    bar = _progress(sum(len(g.expected) for g in groups.values()), job.progress, job.what)
+    with ckray_errors_surfaced():
+        _collect(job, ds, groups, summary, bar)
+    bar.close()
+    raise_if_missing(groups.values(), job.what, "re-run it (finished shards are kept)")
+    if summary["repeated_rows"]:
+        log.warning("%s: dropped %d repeated rows (batches retried after a lost actor)", job.what,
+                    summary["repeated_rows"])
+
+
+def _collect(job: ShardJob, ds: Any, groups: dict[str, KeyedRows], summary: dict, bar: Any) -> None:
+    """Take the result batches as they come; write each output shard once all its rows are in."""
     written: set[str] = set()
     completions: list[tuple[float, int]] = []
-    bar = _progress(sum(len(g.expected) for g in groups.values()), job.progress, job.what)
     for batch in ds.iter_batches(batch_size=None, batch_format=job.batch_format):
         doc_ids, paths = column(batch, "doc_id"), column(batch, "path")
         touched = set()
@@ -338,9 +392,4 @@ def _stream(job: ShardJob, pending: Sequence[Path], summary: dict) -> None:
                 log.info("%s %s: %d documents (%d/%d shards done)", job.what, name, len(group.expected),
                          summary["shards_skipped"] + summary["shards_written"], len(job.sources))
         bar.update(len(doc_ids))
-    bar.close()
-    raise_if_missing(groups.values(), job.what, "re-run it (finished shards are kept)")
-    if summary["repeated_rows"]:
-        log.warning("%s: dropped %d repeated rows (batches retried after a lost actor)", job.what,
-                    summary["repeated_rows"])
     summary["steady_docs_per_s"] = steady_rate(completions)

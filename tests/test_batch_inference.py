@@ -15,6 +15,7 @@ import pytest
 from ckray.batch_inference import (ActorPoolConfig, BatchInferenceError, KeyedRows, ShardJob, crash_once,
                                    raise_if_missing, run_shard_job, steady_rate, timing_columns)
 from ckray.data.shards import is_done, mark_done, shard_name, write_parquet_atomic
+from ckray.errors import CollectionError
 
 SIZES = (7, 0, 5)
 
@@ -72,15 +73,19 @@ def test_pool_checks_name_the_field():
 
 def _lengths_actor() -> type:
     """A model-free Ray Data actor class: each document's text length. ``repeat`` returns every row
-    twice (a batch delivered again after a retry); ``drop`` leaves one document out. (Made inside a
+    twice (a batch delivered again after a retry); ``drop`` leaves one document out; ``refuse`` raises a
+    CkrayError on the batch holding that document. (Made inside a
     function so Ray ships the class by value: workers cannot import the tests.)"""
 
     class Lengths:
-        def __init__(self, repeat: bool = False, drop: str | None = None, crash: str | None = None):
-            self.repeat, self.drop, self.crash = repeat, drop, crash
+        def __init__(self, repeat: bool = False, drop: str | None = None, crash: str | None = None,
+                     refuse: str | None = None):
+            self.repeat, self.drop, self.crash, self.refuse = repeat, drop, crash, refuse
 
         def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             crash_once(self.crash)
+            if self.refuse in batch["doc_id"]:
+                raise CollectionError(f"document {self.refuse}: its text cannot be scored (line 10 of corpus.jsonl)")
             wall0, cpu0 = time.perf_counter(), time.process_time()
             keep = np.array([d != self.drop for d in batch["doc_id"]], dtype=bool)
             out = {"doc_id": batch["doc_id"][keep], "path": batch["path"][keep],
@@ -144,3 +149,29 @@ def test_shard_job_names_a_document_that_never_came_back(tmp_path, ray_session):
     with pytest.raises(BatchInferenceError, match=r"part-00002\.parquet: 1 \('d009'\)"):
         run_shard_job(_job(tmp_path, sources, drop="d009"))
     assert set(_written(tmp_path)) == {shard_name(0), shard_name(1)}   # the complete shards are kept
+
+
+@pytest.mark.slow
+def test_a_ckray_error_in_an_actor_reaches_the_job_as_its_own_message(tmp_path, ray_session, caplog):
+    """Raised inside a Ray Data actor, a CkrayError comes out of the shard job as itself (same type and
+    message, not Ray's wrapper), so a job ends with that one line and exit 2; finished shards are kept."""
+    from ckray.cli import base_parser, run_job
+
+    sources = _corpus(tmp_path)
+    message = "document d009: its text cannot be scored (line 10 of corpus.jsonl)"
+    raised: list[tuple[type, str]] = []
+
+    def main(args) -> None:
+        try:
+            run_shard_job(_job(tmp_path, sources, refuse="d009"))
+        except Exception as e:
+            raised.append((type(e), str(e)))
+            raise
+
+    with pytest.raises(SystemExit) as exit_:
+        run_job(main, base_parser("a shard job", data=False), ["--workdir", str(tmp_path)])
+    assert raised == [(CollectionError, message)]   # its own type and message, not Ray's wrapper
+    assert exit_.value.code == 2
+    errors = [r.getMessage() for r in caplog.records if r.name == "ckray" and r.levelname == "ERROR"]
+    assert errors == [message]
+    assert shard_name(2) not in _written(tmp_path) and not list((tmp_path / "out").glob(".*tmp*"))

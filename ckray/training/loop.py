@@ -49,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ckray.batch_inference import ckray_cause as _find_ckray_error  # out of Ray's wrappers
 from ckray.data.examples import DevSet
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.training.checkpointing import (_attempt_starts, _check_resumable, _initial_weights, _record_attempt,
@@ -218,22 +219,6 @@ def _check_columns(names: list[str]) -> None:
     missing = [c for c in TRIPLE_COLUMNS if c not in names]
     if missing:
         raise ConfigError(f"training triples lack columns {missing} (expected {list(TRIPLE_COLUMNS)})")
-
-
-def _find_ckray_error(exc: BaseException | None, depth: int = 0) -> CkrayError | None:
-    """The CkrayError a worker raised, out of Ray's wrappers (WorkerGroupError, RayTaskError)."""
-    if exc is None or depth > 6:
-        return None
-    if isinstance(exc, CkrayError):
-        return getattr(exc, "cause", None) if isinstance(getattr(exc, "cause", None), CkrayError) else exc
-    inner: list[BaseException | None] = [getattr(exc, "cause", None), exc.__cause__,
-                                         getattr(exc, "controller_failure", None)]
-    inner += list(getattr(exc, "worker_failures", {}).values())
-    for e in inner:
-        found = _find_ckray_error(e, depth + 1)
-        if found is not None:
-            return found
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
