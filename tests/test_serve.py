@@ -16,7 +16,8 @@ import yaml
 from ckray.errors import ConfigError
 from ckray.rankers import first_stages, rerankers
 from ckray.serve import (AppArgs, FusedRetriever, RerankBatching, RetrieverSpec, SearchRequest, build_app,
-                         deployment_options, reciprocal_rank_fusion, reranker_missing, retriever_missing)
+                         deployment_options, reciprocal_rank_fusion, reranker_deployment_name, reranker_missing,
+                         retriever_deployment_name, retriever_missing)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -298,6 +299,67 @@ BAD_REQUESTS = [
 ]
 
 
+def _padded_body(query: str, size: int) -> bytes:
+    """A valid search request of exactly ``size`` bytes (JSON whitespace after the object)."""
+    body = json.dumps({"query": query, "k": 3}).encode()
+    return body + b" " * (size - len(body))
+
+
+def _long_query(query: str, chars: int) -> str:
+    """``query`` after two-character terms, exactly ``chars`` characters in all: 1,296 distinct terms
+    (more than Lucene's default limit of 1,024 clauses) when ``chars`` is over 3,900."""
+    alnum = "abcdefghijklmnopqrstuvwxyz0123456789"
+    terms = " ".join(a + b for a in alnum for b in alnum)
+    n = chars - len(query) - 1
+    text = ((terms + " ") * (1 + n // len(terms)))[:n]
+    return (text[:-1] + "x" if text.endswith(" ") else text) + " " + query
+
+
+def _repeated(query: str, chars: int) -> str:
+    """``query`` repeated, exactly ``chars`` characters (the few terms of ``query``)."""
+    text = " ".join([query] * chars)[:chars].rstrip()
+    return text + "x" * (chars - len(text))
+
+
+@pytest.mark.slow
+def test_request_limits_at_their_edge_and_one_past_it(server, queries):
+    """Each request limit at its edge (answered) and one past it (refused with the limit named, never a 500)."""
+    q = next(iter(queries.values()))
+    json_body = {"headers": {"content-type": "application/json"}}
+    limits = [  # (request kwargs at the edge, one past it, status past it, words in the reason)
+        ({"json": {"query": q, "k": 1000}}, {"json": {"query": q, "k": 1001}}, 422, "less than or equal to 1000"),
+        ({"json": {"query": q, "k": 5, "reranker": RERANKER, "rerank_depth": 1000}},
+         {"json": {"query": q, "k": 5, "reranker": RERANKER, "rerank_depth": 1001}}, 422, "less than or equal to 1000"),
+        ({"json": {"query": _repeated(q, 4096), "k": 3}}, {"json": {"query": _repeated(q, 4097), "k": 3}}, 422,
+         "at most 4096 characters"),
+        ({"content": _padded_body(q, 65536), **json_body}, {"content": _padded_body(q, 65537), **json_body}, 413,
+         "over 65536 bytes"),
+        ({"json": {"query": q, "retrievers": ["bm25", "bm25-classic"]}},
+         {"json": {"query": q, "retrievers": [f"r{i}" for i in range(9)]}}, 422, "at most 8 items"),
+    ]
+    assert len(limits[2][0]["json"]["query"]) == 4096 and len(limits[2][1]["json"]["query"]) == 4097
+    for edge, past, status, reason in limits:
+        r = server.post("/search", **edge)
+        assert r.status_code == 200, (str(edge)[:200], r.status_code, r.text[:300])
+        assert r.json()["results"], r.text[:300]
+        r = server.post("/search", **past)
+        assert r.status_code == status, (r.status_code, r.text[:300])
+        assert reason in r.json()["detail"], r.text[:300]
+    assert server.get("/healthz").json()["limits"] == {"k": 1000, "rerank_depth": 1000, "body_bytes": 65536,
+                                                       "query_chars": 4096}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="BM25's batch search fails on a query of more than 1,024 distinct terms "
+                   "(Lucene's default clause limit: Anserini's 'queryCount = 1 is not equal to completedTaskCount = 0'), "
+                   "which the ingress answers with 500")
+def test_a_query_at_the_length_limit_with_many_distinct_terms_is_answered(server, queries):
+    long = _long_query(next(iter(queries.values())), 4096)
+    assert len(long) == 4096 and len(set(long.split())) > 1100
+    r = server.post("/search", json={"query": long, "k": 3})
+    assert r.status_code == 200 and r.json()["results"], (r.status_code, r.text[:300])
+
+
 @pytest.mark.slow
 def test_bad_requests_get_4xx_with_a_reason(server):
     for method, path, kwargs, status, reason in BAD_REQUESTS:
@@ -347,17 +409,17 @@ def _replica_names(deployment: str) -> list[str]:
                   if a["namespace"] == "serve" and a["name"].startswith(prefix))
 
 
-@pytest.mark.slow
-def test_killed_reranker_replica_is_replaced_without_failed_requests(server, offline, queries):
+def _kill_replica_and_wait_until_ready(server: httpx.Client, deployment: str, waiting_for: str) -> None:
+    """Kill ``deployment``'s one replica (its process: the model, or the retriever's JVM, dies with it):
+    /readyz answers 503 naming ``waiting_for`` while /healthz stays live, then 200 again once Serve
+    has started and warmed up a new replica."""
     import ray
     from ray import serve
 
-    deployment = f"reranker-{RERANKER}"
     (old,) = _replica_names(deployment)
     ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
-    # not ready while the replacement loads its model (seconds): /readyz names it, /healthz stays live
     r = server.get("/readyz")
-    assert r.status_code == 503 and r.json()["waiting_for"] == [f"reranker {RERANKER}"], r.text
+    assert r.status_code == 503 and r.json()["waiting_for"] == [waiting_for], r.text
     assert r.headers["retry-after"] == "2" and server.get("/healthz").status_code == 200
     deadline = time.monotonic() + 180
     while True:  # bounded wait for Serve to start a new replica and report it healthy
@@ -370,11 +432,29 @@ def test_killed_reranker_replica_is_replaced_without_failed_requests(server, off
     while server.get("/readyz").status_code != 200:
         assert time.monotonic() < deadline, "not ready again"
         time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_killed_reranker_replica_is_replaced_without_failed_requests(server, offline, queries):
+    # not ready while the replacement loads its model (seconds): /readyz names it, /healthz stays live
+    _kill_replica_and_wait_until_ready(server, reranker_deployment_name(RERANKER), f"reranker {RERANKER}")
     want = offline["rerank20"].run(queries, k=10)
     for qid, text in queries.items():
         r = server.post("/search", json={"query": text, "k": 10, "reranker": RERANKER, "rerank_depth": 20})
         assert r.status_code == 200, r.text
         assert_same_ranking(r.json()["results"], want[qid], tol=1e-5)
+
+
+@pytest.mark.slow
+def test_retriever_replica_lost_turns_readyz_red_then_green(server, offline, queries):
+    """The BM25 retriever's replica (and with it its JVM) dies: /readyz is 503 naming it until Serve
+    has a new one searching, then 200, and searches answer as before."""
+    _kill_replica_and_wait_until_ready(server, retriever_deployment_name("bm25"), "retriever bm25")
+    want = offline["bm25"].run(queries, k=10)
+    for qid, text in queries.items():
+        r = server.post("/search", json={"query": text, "k": 10})
+        assert r.status_code == 200, r.text
+        assert_same_ranking(r.json()["results"], want[qid])
 
 
 # The README's command for one machine, exactly as written there and in serve_config.yaml's header.
