@@ -100,3 +100,22 @@ def test_the_main_jobs_flags_are_the_fields_of_its_config():
                              workdir="W").models == []
     with pytest.raises(ConfigError, match=r"^--shards must be >= 1, got 0$"):
         options_from_args(FullPipelineConfig, p.parse_args(["--workdir", "W", "--shards", "0"]), workdir="W")
+
+
+def _load_job(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_job", ROOT / "jobs" / f"{name}.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def test_the_prepare_jobs_flags_are_the_fields_of_its_options():
+    from ckray.data.prepare import PrepareOptions
+
+    p = _load_job("prepare").parser()
+    assert sorted(_job_flags(p)) == sorted(flags_of(PrepareOptions).values())
+    options = options_from_args(PrepareOptions, p.parse_args(["--data", "D", "--workdir", "W", "--no-negatives",
+                                                              "--shards", "2"]))
+    assert (options.negatives, options.shards, options.threads, options.strict_qrels) == (False, 2, 2, False)
+    with pytest.raises(ConfigError, match=r"^--threads must be >= 1, got 0$"):
+        options_from_args(PrepareOptions, p.parse_args(["--data", "D", "--workdir", "W", "--threads", "0"]))

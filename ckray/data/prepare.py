@@ -25,6 +25,7 @@ from ckray.data.collections import corpus_file, corpus_lines, parse_corpus_lines
 from ckray.data.shards import (MANIFEST, file_sha256, is_done, mark_done, read_json, shard_name,
                                shards_dir, write_corpus_parquet, write_json_atomic)
 from ckray.errors import CkrayError, CollectionError, ConfigError, DuplicateDocumentError
+from ckray.options import option
 
 if TYPE_CHECKING:
     from ckray.data.collections import Collection
@@ -48,6 +49,22 @@ def check_prepare_options(shards: int | None = None, threads: int = 1, negative_
     for name, value in (("shards", shards), ("threads", threads), ("negative_depth", negative_depth)):
         if value is not None and value < 1:
             raise ConfigError.invalid("prepare", name, f"must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """The prepare job's options (``jobs/prepare.py``'s flags, one per field)."""
+
+    shards: int = option(4, "number of corpus shards")
+    threads: int = option(2, "Lucene indexing/search threads")
+    train_split: str = option("train", "qrels split whose queries get BM25 negatives")
+    negative_depth: int = option(1000, "BM25 depth for training negatives")
+    negatives: bool = option(True, "BM25 negatives of the training queries (--no-negatives: skip them)")
+    strict_qrels: bool = option(False, "refuse qrels that name a document not in the corpus or a query without a "
+                                       "text; without it they are kept, counted and reported once")
+
+    def __post_init__(self) -> None:
+        check_prepare_options(self.shards, self.threads, self.negative_depth)
 
 
 @dataclass
