@@ -124,16 +124,24 @@ def parse_beir_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 
         yield doc_id, title, text
 
 
-def parse_msmarco_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 1) -> Iterator[tuple[str, str, str]]:
-    """(doc_id, "", text) for each ``pid<TAB>text`` line of an MS MARCO ``collection.tsv``."""
+def _id_tab_text_lines(path: Path, lines: Iterable[str], id_name: str,
+                       first_line: int = 1) -> Iterator[tuple[int, str, str]]:
+    """(line number, id, text) of each non-empty ``<id>TAB<text>`` line; a line without a tab or an id is an
+    error naming it."""
     for lineno, line in enumerate(lines, start=first_line):
         line = line.rstrip("\r\n")
         if not line:
             continue
-        pid, tab, text = line.partition("\t")
-        if not tab or not pid.strip():
-            raise CollectionError(f"{path}:{lineno}: expected 'pid<TAB>text'")
-        yield pid.strip(), "", text
+        key, tab, text = line.partition("\t")
+        if not tab or not key.strip():
+            raise CollectionError(f"{path}:{lineno}: expected '{id_name}<TAB>text'")
+        yield lineno, key.strip(), text
+
+
+def parse_msmarco_corpus_lines(path: Path, lines: Iterable[str], first_line: int = 1) -> Iterator[tuple[str, str, str]]:
+    """(doc_id, "", text) for each ``pid<TAB>text`` line of an MS MARCO ``collection.tsv``."""
+    for _, pid, text in _id_tab_text_lines(path, lines, "pid", first_line):
+        yield pid, "", text
 
 
 def corpus_lines(path: Path, start: int = 0, end: int | None = None, first_line: int = 1) -> Iterator[str]:
@@ -183,16 +191,10 @@ def read_beir_queries(path: Path) -> dict[str, str]:
 def read_tsv_queries(path: Path) -> dict[str, str]:
     queries: dict[str, str] = {}
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\n")
-            if not line:
-                continue
-            qid, tab, text = line.partition("\t")
-            if not tab or not qid.strip():
-                raise CollectionError(f"{path}:{lineno}: expected 'qid<TAB>text'")
+        for lineno, qid, text in _id_tab_text_lines(path, f, "qid"):
             if qid in queries:
                 raise CollectionError(f"{path}:{lineno}: duplicate query id {qid!r}")
-            queries[qid.strip()] = text
+            queries[qid] = text
     return queries
 
 
