@@ -175,3 +175,52 @@ def test_a_ckray_error_in_an_actor_reaches_the_job_as_its_own_message(tmp_path, 
     errors = [r.getMessage() for r in caplog.records if r.name == "ckray" and r.levelname == "ERROR"]
     assert errors == [message]
     assert shard_name(2) not in _written(tmp_path) and not list((tmp_path / "out").glob(".*tmp*"))
+
+
+@pytest.mark.slow
+def test_batch_reranking_scores_each_pair_once_after_a_lost_actor(tmp_path, ray_session, minilm_path):
+    """An actor of Ray reranking (ckray.rerank) killed with SIGKILL while the job runs: Ray restarts it and
+    retries its batch; every (query, document) pair comes back once, with the scores of one process."""
+    import os
+    import signal
+    import threading
+
+    import psutil
+    import torch
+
+    from ckray.models.checkpoint import load_model, save_model
+    from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
+    from ckray.rerank import rerank, rerank_local
+
+    torch.manual_seed(0)
+    tiny = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=64)
+    checkpoint = save_model(CEDRRanker(CEDRConfig(variant="knrm", random_init=tiny, max_length=32, max_query_len=8)),
+                            tmp_path / "cedr")
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(50)]
+    docs = {f"d{i}": " ".join(rng.choice(words, 12)) for i in range(40)}
+    queries = {f"q{i}": " ".join(rng.choice(words, 3)) for i in range(15)}
+    run = {q: [(f"d{j}", float(40 - j)) for j in rng.permutation(40)] for q in queries}
+    out: dict = {}
+    job = threading.Thread(target=lambda: out.update(run=rerank(checkpoint, queries, run, docs, depth=40,
+                                                                batch_size=4, num_actors=2)))
+    job.start()
+    killed = None
+    while killed is None and job.is_alive():  # an actor of this test's own Ray (a descendant of this process)
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "PairScorer" in " ".join(p.cmdline()):
+                    os.kill(p.pid, signal.SIGKILL)
+                    killed = p.pid
+                    break
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    job.join(timeout=600)
+    assert killed is not None, "the job ended before an actor could be killed"
+    local = rerank_local(load_model(checkpoint), queries, run, docs, depth=40, batch_size=4)
+    assert out["run"].keys() == local.keys()
+    for q in local:
+        assert sorted(d for d, _ in out["run"][q]) == sorted(docs)   # every pair once, none lost
+        assert dict(out["run"][q]) == pytest.approx(dict(local[q]), abs=1e-5)
