@@ -146,7 +146,8 @@ def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, 
     """
     import ray.data
 
-    from ckray.batch_inference import ActorPoolConfig, KeyedRows, ensure_ray, map_on_actors, raise_if_missing
+    from ckray.batch_inference import (ActorPoolConfig, KeyedRows, ckray_errors_surfaced, ensure_ray, map_on_actors,
+                                       raise_if_missing)
 
     rows = rerank_pairs(queries, run, doc_text, depth)
     if not rows:
@@ -159,9 +160,10 @@ def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, 
     scored = map_on_actors(ds, PairScorer, {"model_path": str(model_path), "use_gpu": pool.use_gpu,
                                             "torch_threads": pool.torch_threads}, pool)
     scores = KeyedRows(((r["qid"], r["doc_id"]) for r in rows), "Ray reranking")
-    for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
-        for qid, doc_id, score in zip(batch["qid"], batch["doc_id"], batch["score"]):
-            scores.add((str(qid), str(doc_id)), float(score))
+    with ckray_errors_surfaced():  # a CkrayError in an actor ends the job with its own one line
+        for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
+            for qid, doc_id, score in zip(batch["qid"], batch["doc_id"], batch["score"]):
+                scores.add((str(qid), str(doc_id)), float(score))
     raise_if_missing([scores], "Ray reranking", "re-run it")
     return merge_scores(run, scores.rows, depth)
 

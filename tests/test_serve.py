@@ -350,9 +350,6 @@ def test_request_limits_at_their_edge_and_one_past_it(server, queries):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="BM25's batch search fails on a query of more than 1,024 distinct terms "
-                   "(Lucene's default clause limit: Anserini's 'queryCount = 1 is not equal to completedTaskCount = 0'), "
-                   "which the ingress answers with 500")
 def test_a_query_at_the_length_limit_with_many_distinct_terms_is_answered(server, queries):
     long = _long_query(next(iter(queries.values())), 4096)
     assert len(long) == 4096 and len(set(long.split())) > 1100

@@ -24,6 +24,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 
+# Lucene refuses a query of more boolean clauses than this (its default: 1,024). A BM25 or impact query has a
+# clause per distinct term, and Serve admits queries of up to 4,096 characters, i.e. up to 2,048 distinct
+# one-letter terms; the limit is raised above that for every searcher in the process.
+MAX_QUERY_CLAUSES = 4096
+
 
 def anserini_jar() -> str:
     env = os.environ.get("ANSERINI_CLASSPATH")
@@ -56,6 +61,7 @@ def ensure_jvm(max_heap: str | None = None) -> None:
         jnius_config.add_classpath(anserini_jar())
         jnius_config.set_options(f"-Xmx{max_heap or os.environ.get('CKRAY_JVM_HEAP', '4g')}",
                                  "-Dlog4j2.level=WARN")
-        import jnius  # noqa: F401  (starts the JVM)
+        import jnius  # (starts the JVM)
 
+        jnius.autoclass("org.apache.lucene.search.IndexSearcher").setMaxClauseCount(MAX_QUERY_CLAUSES)
         log.info("JVM started with %s (JAVA_HOME=%s)", anserini_jar(), os.environ["JAVA_HOME"])
