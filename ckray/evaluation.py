@@ -6,12 +6,13 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckray.data.collections import judged_queries, read_queries_and_qrels, write_trec_run
 from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
+from ckray.options import option
 from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
 
@@ -22,13 +23,18 @@ log = logging.getLogger(__name__)
 class EvaluateConfig:
     data: str
     workdir: str
-    pipelines: list[str] = field(default_factory=lambda: ["bm25"])
-    split: str = "test"
-    k: int = 1000
-    rerank_depth: int = 100
+    pipelines: list[str] = option(help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm, "
+                                       "clear+cedr-knrm (default: bm25)", flag="--pipeline", metavar="PIPELINE",
+                                  repeatable=True, default_factory=lambda: ["bm25"])
+    split: str = option("test", "qrels split whose queries are evaluated")
+    k: int = option(1000, "results kept per query")
+    rerank_depth: int = option(100, "first-stage results a reranker rescores")
     measures: tuple[str, ...] = DEFAULT_MEASURES
-    lam: float | None = None             # CLEAR's λ_test instead of the tuned or carried one (--lambda)
-    fusion_weight: float | None = None   # w of every first+reranker instead of the tuned or carried one
+    lam: float | None = option(None, "CLEAR's λ_test (default: W/dense/hybrid.json: tuned on training queries, or "
+                                     "carried from the checkpoint's deploy.json)", flag="--lambda")
+    fusion_weight: float | None = option(None, "w of every first+reranker (default: tuned on the dev training "
+                                               "queries, or, on a collection without them, the one saved in the "
+                                               "reranker checkpoint's deploy.json)")
 
     def __post_init__(self) -> None:
         for name in ("k", "rerank_depth"):

@@ -27,12 +27,14 @@ from ckray.errors import ConfigError
 
 def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None,
            flag: str | None = None, *, default_factory: Any = dataclasses.MISSING,
-           parse: Callable[[str], Any] | None = None, metavar: str | None = None) -> Any:
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None, repeatable: bool = False) -> Any:
     """A dataclass field declaring one flag: its default (or ``default_factory``), help and, optionally,
     its allowed values, a flag name other than ``--<field-name>``, a parser of the flag's text other
-    than the field's type (``parse``) and the value's name in ``--help`` (``metavar``)."""
+    than the field's type (``parse``) and the value's name in ``--help`` (``metavar``). A ``repeatable``
+    field is a list: each use of its flag adds one value (given none, the field keeps its default)."""
     metadata = {"help": help, **({"choices": choices} if choices else {}), **({"flag": flag} if flag else {}),
-                **({"parse": parse} if parse else {}), **({"metavar": metavar} if metavar else {})}
+                **({"parse": parse} if parse else {}), **({"metavar": metavar} if metavar else {}),
+                **({"repeatable": True} if repeatable else {})}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -81,7 +83,10 @@ def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = 
                 help_text = f"{help_text} (default: {shown})"
             default = None
         kwargs: dict[str, Any] = {"dest": dest_prefix + f.name, "default": default, "help": help_text}
-        if kind is bool:
+        if f.metadata.get("repeatable"):   # given none, None: the field's default applies (options_from_args)
+            kwargs.update(action="append", default=None, type=f.metadata.get("parse", str),
+                          metavar=f.metadata.get("metavar", f.name.upper()))
+        elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = f.metadata.get("parse", kind)

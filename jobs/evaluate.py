@@ -22,27 +22,20 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 def main(args) -> None:
     from ckray import api
-    from ckray.evaluation import format_table
+    from ckray.evaluation import EvaluateConfig, format_table
+    from ckray.options import options_from_args
 
-    results = api.evaluate(args.pipeline or ["bm25"], args.data, args.workdir, split=args.split, k=args.k,
-                           rerank_depth=args.rerank_depth, lam=args.lam, fusion_weight=args.fusion_weight)
-    print(format_table(results, args.split))
+    c = options_from_args(EvaluateConfig, args, data=args.data, workdir=args.workdir)
+    results = api.evaluate(c.pipelines, c.data, c.workdir, split=c.split, k=c.k, rerank_depth=c.rerank_depth,
+                           lam=c.lam, fusion_weight=c.fusion_weight)
+    print(format_table(results, c.split))
 
 
 def parser():
-    p = base_parser(__doc__)
-    p.add_argument("--pipeline", action="append",
-                   help="pipeline name (repeatable), e.g. bm25, clear, bm25>cedr-knrm, clear+cedr-knrm (default: bm25)")
-    p.add_argument("--split", default="test", help="qrels split whose queries are evaluated")
-    p.add_argument("--k", type=int, default=1000, help="results kept per query")
-    p.add_argument("--rerank-depth", type=int, default=100, help="first-stage results a reranker rescores")
-    p.add_argument("--lambda", dest="lam", type=float, default=None,
-                   help="CLEAR's λ_test (default: W/dense/hybrid.json: tuned on training queries, or carried "
-                        "from the checkpoint's deploy.json)")
-    p.add_argument("--fusion-weight", type=float, default=None,
-                   help="w of every first+reranker (default: tuned on the dev training queries, or, on a "
-                        "collection without them, the one saved in the reranker checkpoint's deploy.json)")
-    return p
+    from ckray.evaluation import EvaluateConfig
+    from ckray.options import add_options
+
+    return add_options(base_parser(__doc__), EvaluateConfig)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,17 @@ def test_the_prepare_jobs_flags_are_the_fields_of_its_options():
     assert (options.negatives, options.shards, options.threads, options.strict_qrels) == (False, 2, 2, False)
     with pytest.raises(ConfigError, match=r"^--threads must be >= 1, got 0$"):
         options_from_args(PrepareOptions, p.parse_args(["--data", "D", "--workdir", "W", "--threads", "0"]))
+
+
+def test_the_evaluate_jobs_flags_are_the_fields_of_its_config():
+    from ckray.evaluation import EvaluateConfig
+
+    p = _load_job("evaluate").parser()
+    assert sorted(_job_flags(p)) == sorted(flags_of(EvaluateConfig).values())
+    base = ["--data", "D", "--workdir", "W"]
+    c = options_from_args(EvaluateConfig, p.parse_args(base + ["--pipeline", "bm25", "--pipeline", "clear",
+                                                              "--lambda", "0.1"]), data="D", workdir="W")
+    assert (c.pipelines, c.lam, c.k, c.fusion_weight) == (["bm25", "clear"], 0.1, 1000, None)
+    assert options_from_args(EvaluateConfig, p.parse_args(base), data="D", workdir="W").pipelines == ["bm25"]
+    with pytest.raises(ConfigError, match=r"^--rerank-depth must be >= 1, got 0$"):
+        options_from_args(EvaluateConfig, p.parse_args(base + ["--rerank-depth", "0"]), data="D", workdir="W")
