@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,3 +134,13 @@ def test_the_evaluate_jobs_flags_are_the_fields_of_its_config():
     assert options_from_args(EvaluateConfig, p.parse_args(base), data="D", workdir="W").pipelines == ["bm25"]
     with pytest.raises(ConfigError, match=r"^--rerank-depth must be >= 1, got 0$"):
         options_from_args(EvaluateConfig, p.parse_args(base + ["--rerank-depth", "0"]), data="D", workdir="W")
+
+
+@pytest.mark.parametrize("ranker, options", [("ck-qti", "ImpactIndexOptions"), ("clear", "DenseIndexOptions")])
+def test_every_index_job_flag_is_a_field_of_its_options_or_the_actor_pools(ranker, options):
+    from ckray.stages import ActorPoolOptions, stage_parser
+
+    cls = getattr(importlib.import_module(f"ckray.rankers.{ranker.replace('-', '_')}.options"), options)
+    flags = _job_flags(stage_parser(f"index:{ranker}"))
+    declared = [*flags_of(cls).values(), *flags_of(ActorPoolOptions).values()]
+    assert sorted(flags) == sorted(declared) and len(set(declared)) == len(declared)

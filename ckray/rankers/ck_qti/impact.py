@@ -98,6 +98,7 @@ from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, cras
 from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
+from ckray.rankers.ck_qti.options import DEFAULT_EXPLICIT_WEIGHT, DEFAULT_TOP_K
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,8 @@ class ImpactConfig(ActorPoolConfig):
     index_threads:         Lucene indexing threads.
     """
 
-    top_k: int = 256             # both chosen on SciFact's held-out training queries (module docstring)
-    explicit_weight: float = 0.5
+    top_k: int = DEFAULT_TOP_K             # both chosen on SciFact's held-out training queries (module docstring)
+    explicit_weight: float = DEFAULT_EXPLICIT_WEIGHT
     expansion_candidates: int = 256
     candidate_pool: str = "window"
     quant_max: int = 255

@@ -1,4 +1,5 @@
-"""CK-QTI's typed training options: the model flags of ``jobs/train_ck.py``, one field each."""
+"""CK-QTI's typed options: the model flags of ``jobs/train_ck.py`` and the flags of
+``jobs/build_impact_index.py``, one field each."""
 
 from __future__ import annotations
 
@@ -31,3 +32,33 @@ class CKQTIOptions:
     @property
     def checkpoint_name(self) -> str:
         return self.name or ("tk" if self.attention == "quadratic" else "ck-qti" if self.qti else "ck")
+
+
+# the impact index's deployment settings when neither a flag nor the checkpoint's deploy.json gives them:
+# both chosen on SciFact's held-out training queries (ckray/rankers/ck_qti/impact.py's docstring)
+DEFAULT_TOP_K = 256
+DEFAULT_EXPLICIT_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class ImpactIndexOptions:
+    """``jobs/build_impact_index.py``'s flags (besides the actor pool's, ``ckray.stages.ActorPoolOptions``)."""
+
+    checkpoint: str | None = option(None, "CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
+    top_k: int | None = option(None, f"terms kept per document (default: the checkpoint's deploy.json, else "
+                                     f"{DEFAULT_TOP_K})")
+    explicit_weight: float | None = option(None, "β: store s_td + β·(the model's exact-match score, Eq. 9) per term; "
+                                                 "choose it on held-out training queries with bench/impact_topk.py "
+                                                 "--explicit-weights (default: the checkpoint's deploy.json, else "
+                                                 f"{DEFAULT_EXPLICIT_WEIGHT})")
+    expansion_candidates: int = option(256, "vocabulary terms added to a document's own terms as candidates")
+    candidate_pool: str = option("window", "how expansion candidates are chosen (window: cheap; position: GPU)",
+                                 choices=("window", "position"))
+    quant_max: int = option(255, "integer the largest weight maps to")
+    scale: float | None = option(None, "fixed quantisation scale, overriding --quant-max (default: from --quant-max)")
+    save_settings: bool = option(False, "save this --top-k and --explicit-weight with the checkpoint (deploy.json), "
+                                        "as chosen on its training collection's held-out queries: indexes of other "
+                                        "collections then use them")
+    batch_size: int = option(64, "documents per Ray Data batch")
+    token_budget: int = option(8192, "padded word pieces per forward pass")
+    index_threads: int = option(2, "Lucene indexing threads")

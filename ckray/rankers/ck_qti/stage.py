@@ -8,7 +8,8 @@ import logging
 from dataclasses import replace
 
 from ckray.rankers.ck_qti import SPEC
-from ckray.rankers.ck_qti.options import CKQTIOptions
+from ckray.options import add_options
+from ckray.rankers.ck_qti.options import CKQTIOptions, ImpactIndexOptions
 from ckray.stages import add_actor_pool_args, print_json as report
 
 log = logging.getLogger(__name__)
@@ -60,30 +61,8 @@ def record_training_corpus(checkpoint, stats, workdir) -> None:
 
 
 def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from ckray.rankers.ck_qti.impact import ImpactConfig
-
-    p.add_argument("--checkpoint", default=None, help="CK-QTI checkpoint directory (default: W/checkpoints/ck-qti)")
-    p.add_argument("--top-k", type=int, default=None,
-                   help=f"terms kept per document (default: the checkpoint's deploy.json, else {ImpactConfig.top_k})")
-    p.add_argument("--explicit-weight", type=float, default=None,
-                   help="β: store s_td + β·(the model's exact-match score, Eq. 9) per term; choose it on held-out "
-                   "training queries with bench/impact_topk.py --explicit-weights (default: the checkpoint's "
-                   f"deploy.json, else {ImpactConfig.explicit_weight})")
-    p.add_argument("--expansion-candidates", type=int, default=256,
-                   help="vocabulary terms added to a document's own terms as candidates")
-    p.add_argument("--candidate-pool", choices=("window", "position"), default="window",
-                   help="how expansion candidates are chosen (window: cheap; position: GPU)")
-    p.add_argument("--quant-max", type=int, default=255, help="integer the largest weight maps to")
-    p.add_argument("--scale", type=float, default=None,
-                   help="fixed quantisation scale, overriding --quant-max (default: from --quant-max)")
-    p.add_argument("--save-settings", action="store_true",
-                   help="save this --top-k and --explicit-weight with the checkpoint (deploy.json), as chosen on its "
-                        "training collection's held-out queries: indexes of other collections then use them")
-    add_actor_pool_args(p)
-    p.add_argument("--batch-size", type=int, default=64, help="documents per Ray Data batch")
-    p.add_argument("--token-budget", type=int, default=8192, help="padded word pieces per forward pass")
-    p.add_argument("--index-threads", type=int, default=2, help="Lucene indexing threads")
-    return p
+    """``jobs/build_impact_index.py``'s flags: :class:`ImpactIndexOptions` and the actor pool's."""
+    return add_actor_pool_args(add_options(p, ImpactIndexOptions))
 
 
 def build_index(args: argparse.Namespace) -> dict:

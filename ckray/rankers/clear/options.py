@@ -1,4 +1,5 @@
-"""CLEAR's typed training options: the model flags of ``jobs/train_clear.py``, one field each."""
+"""CLEAR's typed options: the model flags of ``jobs/train_clear.py`` and the flags of
+``jobs/build_dense_index.py``, one field each."""
 
 from __future__ import annotations
 
@@ -21,3 +22,18 @@ class CLEAROptions:
     @property
     def checkpoint_name(self) -> str:
         return self.name or ("clear-constant" if self.constant_margin else "clear")
+
+
+@dataclass(frozen=True)
+class DenseIndexOptions:
+    """``jobs/build_dense_index.py``'s flags (besides the actor pool's, ``ckray.stages.ActorPoolOptions``)."""
+
+    checkpoint: str | None = option(None, "CLEAR checkpoint (default: W/checkpoints/clear)")
+    float16: bool = option(False, "store embedding shards as float16")
+    doc_max_len: int | None = option(None, "encode documents at this many word pieces (default: the checkpoint's "
+                                           "doc_max_len)")
+    index: str = option("flat", "faiss index kind (flat: exact inner product)", choices=("flat", "hnsw", "ivf", "ivfpq"))
+    tune_split: str = option("train", "qrels split whose queries tune λ_test (never test)")
+    tune_queries: str = option("held-out", "tune λ_test on the held-out dev queries of --tune-split (those CLEAR did "
+                                           "not train on) or on all of them (fine for an untrained encoder)",
+                               choices=("held-out", "all"))

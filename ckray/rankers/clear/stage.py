@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 from ckray.rankers.clear import SPEC
-from ckray.rankers.clear.options import CLEAROptions
+from ckray.options import add_options
+from ckray.rankers.clear.options import CLEAROptions, DenseIndexOptions
 from ckray.stages import add_actor_pool_args
 
 
@@ -26,18 +27,8 @@ def train(options: CLEAROptions, args: argparse.Namespace):
 
 
 def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--checkpoint", default=None, help="CLEAR checkpoint (default: W/checkpoints/clear)")
-    add_actor_pool_args(p)
-    p.add_argument("--float16", action="store_true", help="store embedding shards as float16")
-    p.add_argument("--doc-max-len", type=int, default=None,
-                   help="encode documents at this many word pieces (default: the checkpoint's doc_max_len)")
-    p.add_argument("--index", choices=("flat", "hnsw", "ivf", "ivfpq"), default="flat",
-                   help="faiss index kind (flat: exact inner product)")
-    p.add_argument("--tune-split", default="train", help="qrels split whose queries tune λ_test (never test)")
-    p.add_argument("--tune-queries", choices=("held-out", "all"), default="held-out",
-                   help="tune λ_test on the held-out dev queries of --tune-split (those CLEAR did not train on) "
-                        "or on all of them (fine for an untrained encoder)")
-    return p
+    """``jobs/build_dense_index.py``'s flags: :class:`DenseIndexOptions` and the actor pool's."""
+    return add_actor_pool_args(add_options(p, DenseIndexOptions))
 
 
 def build_index(args: argparse.Namespace) -> dict:
