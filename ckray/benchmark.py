@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ckray.errors import ConfigError, MissingArtifactError
+from ckray.options import option
 
 log = logging.getLogger(__name__)
 
@@ -40,22 +41,28 @@ class BenchmarkConfig:
     per collection under it, and the table. ``index_options``: per ranker, its index job's options
     (``{"ck-qti": {"top_k": 64}}``); ``lam`` / ``fusion_weight`` override the tuned or carried values."""
 
-    data: list[str]
-    checkpoints: str
-    workdir_root: str = "benchmark"
-    pipelines: list[str] = field(default_factory=lambda: ["bm25"])
-    split: str = "test"
-    measure: str = "nDCG@10"
-    k: int = 1000
-    rerank_depth: int = 100
-    shards: int = 4
+    data: list[str] = option(help="collection directory (repeatable: a column each)", flag="--data", metavar="DIR",
+                             repeatable=True, default_factory=list)
+    checkpoints: str | None = option(None, "directory of the trained checkpoints (a training W/checkpoints)")
+    workdir_root: str = option("benchmark", "one work directory per collection under it, and the table")
+    pipelines: list[str] = option(help="pipeline name (repeatable), e.g. bm25, ck-qti, clear, bm25+ck-qti "
+                                       "(default: bm25)", flag="--pipeline", metavar="PIPELINE", repeatable=True,
+                                  default_factory=lambda: ["bm25"])
+    split: str = option("test", "qrels split evaluated in every collection")
+    measure: str = option("nDCG@10", "measure of the table")
+    k: int = option(1000, "results kept per query")
+    rerank_depth: int = option(100, "first-stage results a reranker rescores")
+    shards: int = option(4, "corpus shards per collection")
     index_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    lam: float | None = None
-    fusion_weight: float | None = None
+    lam: float | None = option(None, "CLEAR's λ_test instead of the carried one", flag="--lambda")
+    fusion_weight: float | None = option(None, "w of every first+reranker instead of the carried one")
 
     def __post_init__(self) -> None:
         if not self.data:
             raise ConfigError.invalid("BenchmarkConfig", "data", "must name at least one collection")
+        if not self.checkpoints:
+            raise ConfigError.invalid("BenchmarkConfig", "checkpoints", "must name where the trained checkpoints "
+                                      "are: --checkpoints DIR or --from-workdir W")
         if not self.pipelines:
             raise ConfigError.invalid("BenchmarkConfig", "pipelines", "must name at least one pipeline")
         for name in ("k", "rerank_depth", "shards"):

@@ -36,13 +36,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def base_parser(description: str, data: bool = True) -> argparse.ArgumentParser:
-    """A job's parser with the flags every job has: ``--data`` (unless ``data=False``), ``--workdir``,
-    ``--address``, ``--log-level``."""
+def base_parser(description: str, data: bool = True, workdir: bool = True) -> argparse.ArgumentParser:
+    """A job's parser with the flags every job has: ``--data`` (unless ``data=False``), ``--workdir``
+    (unless ``workdir=False``), ``--address``, ``--log-level``."""
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     if data:
         p.add_argument("--data", required=True, help="collection directory (BEIR or MS MARCO layout)")
-    p.add_argument("--workdir", required=True, help="work directory holding every artifact")
+    if workdir:
+        p.add_argument("--workdir", required=True, help="work directory holding every artifact")
     p.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging level")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ckray.errors import ConfigError
 
@@ -66,14 +66,17 @@ def _default(f: dataclasses.Field) -> Any:
 
 def add_options(parser: argparse.ArgumentParser, cls: type, title: str | None = None,
                 defaults: dict[str, Any] | None = None, dest_prefix: str = "",
-                unset_is_none: bool = False) -> argparse.ArgumentParser:
+                unset_is_none: bool = False, only: Collection[str] | None = None) -> argparse.ArgumentParser:
     """Add one flag per field of the options dataclass ``cls`` (in an argument group ``title``);
     ``defaults`` replace fields' defaults (a job's own choices). Each flag's destination is
     ``dest_prefix`` + the field's name. With ``unset_is_none`` a flag not given parses to None (the
     default is only shown in ``--help``), so a later layer can tell "not given" from "given as the
-    default" (:func:`options_from_args` skips the Nones). Returns ``parser``."""
+    default" (:func:`options_from_args` skips the Nones). ``only``: just these fields' flags (a job that
+    passes a few of another stage's options on). Returns ``parser``."""
     group = parser.add_argument_group(title) if title else parser
     for f in flag_fields(cls):
+        if only is not None and f.name not in only:
+            continue
         default = (defaults or {}).get(f.name, _default(f))
         kind = _value_type(cls, f)
         help_text = f.metadata["help"]
