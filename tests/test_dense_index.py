@@ -331,3 +331,21 @@ def test_lambda_saved_with_the_checkpoint_is_carried_to_a_collection_without_tra
     save_hybrid_config(tmp_path, HybridConfig(lam=0.3))
     assert "source" not in json.loads((tmp_path / "dense" / "hybrid.json").read_text())
     deploy_path(tiny_checkpoint).unlink()
+
+
+def test_doc_id_map_finds_rows_refuses_unknown_ids_and_names_a_duplicate():
+    import pyarrow as pa
+
+    from ckray.rankers.clear.dense import DocIdMap
+
+    ids = [f"doc-{i}" for i in range(3000)]
+    m = DocIdMap(pa.chunked_array([pa.array(ids[:1000]), pa.array(ids[1000:])]))
+    assert len(m) == 3000 and [m[r] for r in (0, 1999, 2999)] == ["doc-0", "doc-1999", "doc-2999"]
+    assert all(m.row(d) == i for i, d in enumerate(ids)) and m.row("doc-3000") is None
+    assert m.first_duplicate() is None and DocIdMap(ids + ["doc-7"]).first_duplicate() == "doc-7"
+    with pytest.raises(ConfigError, match="duplicate doc id 'd1'"):
+        DenseIndex.build(["d0", "d1", "d1"], np.eye(3, dtype=np.float32))
+    index = DenseIndex.build(["a", "b", "c"], np.eye(3, dtype=np.float32))
+    assert "b" in index and "z" not in index
+    with pytest.raises(KeyError, match="'z' is not in the dense index"):
+        index.vectors(["a", "z"])

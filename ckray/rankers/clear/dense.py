@@ -296,16 +296,58 @@ class IndexConfig:
         return f"IVF{nlist},PQ{m}x{self.pq_bits}"
 
 
+class DocIdMap:
+    """The dense index's row ↔ doc id mapping without a Python object per document: the ids as one Arrow
+    string array (row → id) and their 64-bit hashes sorted with the rows they belong to (id → row by
+    binary search, the id compared to rule out a hash collision): about 16 bytes per document beside the
+    ids' own bytes, where a list and a dict of Python strings take ~150."""
+
+    def __init__(self, doc_ids: "Sequence[str] | pa.Array | pa.ChunkedArray"):
+        from ckray.data.docstore import id_hashes
+
+        ids = doc_ids if isinstance(doc_ids, (pa.Array, pa.ChunkedArray)) else pa.array(list(doc_ids), pa.string())
+        self.ids: pa.Array = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+        step = 1 << 16   # ids hashed a slice at a time: the Python strings of one slice exist at once
+        hashes = np.concatenate([id_hashes(self.ids.slice(i, step).to_pylist()) for i in range(0, len(self.ids), step)]
+                                or [np.zeros(0, np.uint64)])
+        self._order = np.argsort(hashes, kind="stable")
+        self._sorted = hashes[self._order]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, row: int) -> str:
+        return self.ids[int(row)].as_py()
+
+    def row(self, doc_id: str) -> int | None:
+        """The row of ``doc_id``, or None."""
+        from ckray.data.docstore import id_hashes
+
+        h = id_hashes([doc_id])[0]
+        for pos in range(int(np.searchsorted(self._sorted, h, "left")), int(np.searchsorted(self._sorted, h, "right"))):
+            if self[self._order[pos]] == doc_id:
+                return int(self._order[pos])
+        return None
+
+    def first_duplicate(self) -> str | None:
+        """An id that occurs twice, or None (equal hashes are adjacent in the sorted order)."""
+        for pos in np.flatnonzero(self._sorted[1:] == self._sorted[:-1]):
+            a, b = self[self._order[pos]], self[self._order[pos + 1]]
+            if a == b:
+                return a
+        return None
+
+
 class DenseIndex:
     """A faiss inner-product index and its doc-id mapping (faiss id i ↔ ``doc_ids[i]``)."""
 
-    def __init__(self, index: Any, doc_ids: Sequence[str], meta: dict | None = None, use_gpu: bool | None = None):
+    def __init__(self, index: Any, doc_ids: "Sequence[str] | pa.Array | DocIdMap", meta: dict | None = None,
+                 use_gpu: bool | None = None):
         import faiss
 
         self.index = index                      # CPU index: saving, reconstructing vectors
-        self.doc_ids = list(doc_ids)
+        self.doc_ids = doc_ids if isinstance(doc_ids, DocIdMap) else DocIdMap(doc_ids)
         self.meta = dict(meta or {})
-        self._row = {d: i for i, d in enumerate(self.doc_ids)}
         self._apply_search_params()
         want_gpu = _want_gpu(use_gpu)
         self._search_index = self.index
@@ -315,17 +357,19 @@ class DenseIndex:
     # -- building ------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, doc_ids: Sequence[str], embeddings: np.ndarray, config: IndexConfig | None = None,
+    def build(cls, doc_ids: "Sequence[str] | pa.Array", embeddings: np.ndarray, config: IndexConfig | None = None,
               meta: dict | None = None) -> "DenseIndex":
         import faiss
 
         config = config or IndexConfig()
         config.validate()
         x = np.ascontiguousarray(embeddings, dtype=np.float32)
-        if x.ndim != 2 or len(x) != len(doc_ids):
-            raise ConfigError(f"embeddings {x.shape} do not match {len(doc_ids)} doc ids")
-        if len(set(doc_ids)) != len(doc_ids):
-            raise ConfigError("duplicate doc ids in the embedding shards; re-run the embedding job")
+        ids = DocIdMap(doc_ids)
+        if x.ndim != 2 or len(x) != len(ids):
+            raise ConfigError(f"embeddings {x.shape} do not match {len(ids)} doc ids")
+        duplicate = ids.first_duplicate()
+        if duplicate is not None:
+            raise ConfigError(f"duplicate doc id {duplicate!r} in the embedding shards; re-run the embedding job")
         n, dim = x.shape
         spec = config.factory(dim, n)
         index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
@@ -343,7 +387,7 @@ class DenseIndex:
         meta = {**(meta or {}), **{"kind": config.kind, "factory": spec, "dim": dim, "count": n,
                                    "metric": "inner_product", "config": asdict(config)}}
         log.info("built faiss index %s over %d vectors of dimension %d", spec, n, dim)
-        return cls(index, doc_ids, meta, use_gpu=config.use_gpu)
+        return cls(index, ids, meta, use_gpu=config.use_gpu)
 
     @classmethod
     def from_shards(cls, directory: str | os.PathLike, config: IndexConfig | None = None,
@@ -361,7 +405,7 @@ class DenseIndex:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         faiss.write_index(self.index, str(tmp / INDEX_FILE))
-        pq.write_table(pa.table({"doc_id": pa.array(self.doc_ids, pa.string())}), tmp / IDS_FILE)
+        pq.write_table(pa.table({"doc_id": self.doc_ids.ids}), tmp / IDS_FILE)
         (tmp / META_FILE).write_text(json.dumps(self.meta, indent=2, sort_keys=True))
         if directory.exists():
             shutil.rmtree(directory)
@@ -378,7 +422,7 @@ class DenseIndex:
             raise MissingArtifactError(f"no dense index at {directory} ({', '.join(missing)} missing): "
                                        f"build it with jobs/build_dense_index.py")
         index = faiss.read_index(str(directory / INDEX_FILE))
-        ids = pq.read_table(directory / IDS_FILE).column("doc_id").to_pylist()
+        ids = pq.read_table(directory / IDS_FILE).column("doc_id")   # Arrow strings: no Python object per id
         meta = json.loads((directory / META_FILE).read_text())
         if index.ntotal != len(ids):
             raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {len(ids)} ids; rebuild it")
@@ -417,16 +461,15 @@ class DenseIndex:
 
     def vectors(self, doc_ids: Sequence[str]) -> np.ndarray:
         """Stored vectors of ``doc_ids`` (exact for flat/hnsw/ivf; the PQ approximation for ivfpq)."""
-        try:
-            rows = [self._row[d] for d in doc_ids]
-        except KeyError as e:
-            raise KeyError(f"document {e.args[0]!r} is not in the dense index") from None
+        rows = [self.doc_ids.row(d) for d in doc_ids]
+        if None in rows:
+            raise KeyError(f"document {doc_ids[rows.index(None)]!r} is not in the dense index")
         if not rows:
             return np.zeros((0, self.dim), np.float32)
         return np.stack([self.index.reconstruct(int(r)) for r in rows])
 
     def __contains__(self, doc_id: str) -> bool:
-        return doc_id in self._row
+        return self.doc_ids.row(doc_id) is not None
 
 
 def _want_gpu(use_gpu: bool | None) -> bool:
