@@ -450,3 +450,21 @@ def test_config_and_flags_import_neither_torch_nor_ray():
             "print(sorted(m for m in ('torch', 'ray', 'numpy', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_among_equal_dev_metrics_the_latest_kept_step_is_chosen():
+    """A resumed run registers its checkpoints in another order than an uninterrupted one; the choice
+    among equal dev metrics must not follow that order."""
+    from types import SimpleNamespace
+
+    from ckray.training.loop import best_checkpoint
+
+    result = SimpleNamespace(best_checkpoints=[("c4", {METRIC: 0.5, "step": 4}), ("c2", {METRIC: 0.5, "step": 2}),
+                                               ("c6", {METRIC: 0.4, "step": 6})])
+    assert best_checkpoint(result) == "c4"
+    result.best_checkpoints.reverse()
+    assert best_checkpoint(result) == "c4"
+    result.best_checkpoints.append(("c8", {METRIC: 0.5, "step": 8}))
+    assert best_checkpoint(result) == "c8"
+    result.best_checkpoints.append(("c3", {METRIC: 0.7, "step": 3}))
+    assert best_checkpoint(result) == "c3"

@@ -67,6 +67,20 @@ _LOG = logging.getLogger("ckray.train")
 # Driver
 # ----------------------------------------------------------------------------------------------
 
+
+def best_checkpoint(result: Any) -> Any:
+    """The kept checkpoint with the best dev metric (``METRIC``); among equal metrics the latest step.
+
+    Ray's own choice among equal metrics follows the order its checkpoints were registered in, which
+    differs between an uninterrupted run and one killed and resumed; the latest step among the best is
+    the same in both (Ray always keeps the latest checkpoint), so the chosen model does not depend on
+    whether the run was interrupted."""
+    scored = [(metrics[METRIC], metrics.get("step", -1), i, checkpoint)
+              for i, (checkpoint, metrics) in enumerate(result.best_checkpoints or []) if METRIC in metrics]
+    if not scored:
+        return result.get_best_checkpoint(METRIC, "max")
+    return max(scored, key=lambda t: (t[0], t[1], t[2]))[3]
+
 def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainConfig) -> TrainResult:
     """Train ``task``'s model on ``triples`` (Arrow table or ``ray.data.Dataset``), pick the best
     checkpoint on ``dev`` by nDCG@10, write it to ``config.output_dir`` and return a summary.
@@ -107,7 +121,7 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
     else:
         result = _run_trainer(task, dataset, dev, config, storage, run_name, run_dir, fit_id)
 
-    best = result.get_best_checkpoint(METRIC, "max")
+    best = best_checkpoint(result)
     if best is None or result.checkpoint is None:
         raise MissingArtifactError(f"training run {run_dir} produced no checkpoint")
     with result.checkpoint.as_directory() as latest_dir:
