@@ -224,6 +224,34 @@ def test_approximate_indexes_reload_identically(kind, tmp_path):
     assert loaded.vectors(["d3"]).shape == (1, 32)
 
 
+@pytest.mark.parametrize("kind", ["flat", "ivf", "ivfpq"])
+def test_index_built_a_shard_at_a_time_equals_the_index_built_in_memory(kind, tmp_path):
+    """from_shards reads one embedding shard at a time (and gathers the IVF/PQ training sample shard by
+    shard): the same seeded sample, the same vectors in the same order, so the same index as build()."""
+    rng = np.random.default_rng(3)
+    sizes = (150, 0, 97, 153)
+    x = rng.normal(size=(sum(sizes), 32)).astype(np.float32)
+    ids = [f"d{i}" for i in range(len(x))]
+    out = tmp_path / "emb"
+    start = 0
+    for i, size in enumerate(sizes):
+        write_embedding_shard(out / shard_name(i), ids[start:start + size], [x[start:start + size]], False,
+                              {"source": shard_name(i)})
+        start += size
+    config = IndexConfig(kind=kind, nlist=8, nprobe=4, pq_m=8, pq_bits=4, train_sample=120)
+    streamed = DenseIndex.from_shards(out, config)
+    in_memory = DenseIndex.build(ids, x, config)
+    q = rng.normal(size=(7, 32)).astype(np.float32)
+    assert streamed.search(q, 15) == in_memory.search(q, 15)
+    assert streamed.meta["count"] == len(x) and streamed.meta["embeddings"] == str(out)
+    assert [streamed.doc_ids[r] for r in (0, 150, 399)] == ["d0", "d150", "d399"]
+
+    # the same id in two shards is named before any vector is added
+    write_embedding_shard(out / shard_name(9), ["d7"], [x[:1]], False, {"source": shard_name(9)})
+    with pytest.raises(ConfigError, match="duplicate doc id 'd7'"):
+        DenseIndex.from_shards(out, config)
+
+
 def test_load_missing_index_raises(tmp_path):
     with pytest.raises(MissingArtifactError, match="build_dense_index"):
         DenseIndex.load(tmp_path / "nothing")

@@ -39,7 +39,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -229,23 +229,35 @@ def write_embedding_shard(path: str | os.PathLike, ids: Sequence[str], vecs: Seq
     mark_done(path, stamp)
 
 
-def read_embedding_shards(directory: str | os.PathLike) -> tuple[list[str], np.ndarray]:
-    """All finished embedding shards in name order → (doc_ids, float32 matrix [N, D])."""
+def embedding_shard_paths(directory: str | os.PathLike) -> list[Path]:
+    """The finished embedding shards (those with a done marker), in name order."""
     directory = Path(directory)
     shards = sorted(p for p in directory.glob("part-*.parquet") if (p.parent / (p.name + ".done.json")).exists())
     if not shards:
         raise MissingArtifactError(f"no embedding shards in {directory}: run jobs/build_dense_index.py")
+    return shards
+
+
+def embedding_matrix(column: "pa.Array | pa.ChunkedArray") -> np.ndarray:
+    """An ``embedding`` column (fixed-size lists of float16/float32) → a float32 matrix [rows, D]."""
+    col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    dim = col.type.list_size
+    if len(col) == 0:
+        return np.zeros((0, dim), np.float32)
+    return col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim)
+
+
+def read_embedding_shards(directory: str | os.PathLike) -> tuple[list[str], np.ndarray]:
+    """All finished embedding shards in name order → (doc_ids, float32 matrix [N, D]), in memory (tests,
+    benchmarks). Building the index does not use it: :meth:`DenseIndex.from_shards` reads a shard at a time."""
     ids: list[str] = []
     mats = []
-    for p in shards:
+    for p in embedding_shard_paths(directory):
         t = pq.read_table(p)
         ids.extend(t.column("doc_id").to_pylist())
-        col = t.column("embedding").combine_chunks()
-        if len(col) == 0:
-            continue
-        dim = col.type.list_size
-        mats.append(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, dim))
-    return ids, (np.concatenate(mats) if mats else np.zeros((0, 0), np.float32))
+        mats.append(embedding_matrix(t.column("embedding")))
+    x = np.concatenate(mats)
+    return ids, (x if len(x) else np.zeros((0, 0), np.float32))
 
 
 # =============================================================================================
@@ -359,18 +371,55 @@ class DenseIndex:
     @classmethod
     def build(cls, doc_ids: "Sequence[str] | pa.Array", embeddings: np.ndarray, config: IndexConfig | None = None,
               meta: dict | None = None) -> "DenseIndex":
-        import faiss
-
-        config = config or IndexConfig()
-        config.validate()
+        """The index over ``embeddings`` (row i ↔ ``doc_ids[i]``), all in memory."""
         x = np.ascontiguousarray(embeddings, dtype=np.float32)
         ids = DocIdMap(doc_ids)
         if x.ndim != 2 or len(x) != len(ids):
             raise ConfigError(f"embeddings {x.shape} do not match {len(ids)} doc ids")
+        return cls._assemble(ids, x.shape[1], lambda rows: x[rows], lambda: iter([x]), config, meta)
+
+    @classmethod
+    def from_shards(cls, directory: str | os.PathLike, config: IndexConfig | None = None,
+                    meta: dict | None = None) -> "DenseIndex":
+        """The index over the finished embedding shards of ``directory``, read a shard at a time: beside the
+        index itself the process holds one shard's vectors, the training sample of IVF/PQ
+        (``IndexConfig.train_sample`` rows at most) and the doc ids as Arrow strings (:class:`DocIdMap`)."""
+        shards = embedding_shard_paths(directory)
+        ids = DocIdMap(pa.chunked_array([pq.read_table(p, columns=["doc_id"]).column(0) for p in shards],
+                                        pa.string()))
+        dim = pq.read_schema(shards[0]).field("embedding").type.list_size
+        starts = np.cumsum([0] + [pq.read_metadata(p).num_rows for p in shards])
+
+        def sample(rows: np.ndarray) -> np.ndarray:
+            """The vectors of global ``rows``, in that order: each shard read once, only its rows kept."""
+            out = np.empty((len(rows), dim), np.float32)
+            for i, p in enumerate(shards):
+                mine = np.flatnonzero((rows >= starts[i]) & (rows < starts[i + 1]))
+                if len(mine):
+                    x = embedding_matrix(pq.read_table(p, columns=["embedding"]).column(0))
+                    out[mine] = x[rows[mine] - starts[i]]
+            return out
+
+        def batches() -> Iterator[np.ndarray]:
+            for p in shards:
+                yield embedding_matrix(pq.read_table(p, columns=["embedding"]).column(0))
+
+        return cls._assemble(ids, dim, sample, batches, config, {**(meta or {}), "embeddings": str(directory)})
+
+    @classmethod
+    def _assemble(cls, ids: DocIdMap, dim: int, sample: Callable[[np.ndarray], np.ndarray],
+                  batches: Callable[[], Iterator[np.ndarray]], config: IndexConfig | None,
+                  meta: dict | None) -> "DenseIndex":
+        """Create the index of ``config``, train it (IVF/PQ) on ``sample(rows)`` of a seeded random choice of
+        rows, then add ``batches()`` (every vector once, in row order)."""
+        import faiss
+
+        config = config or IndexConfig()
+        config.validate()
         duplicate = ids.first_duplicate()
         if duplicate is not None:
             raise ConfigError(f"duplicate doc id {duplicate!r} in the embedding shards; re-run the embedding job")
-        n, dim = x.shape
+        n = len(ids)
         spec = config.factory(dim, n)
         index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
         if config.kind == "hnsw":
@@ -379,21 +428,20 @@ class DenseIndex:
         work = faiss.index_cpu_to_all_gpus(index) if gpu else index
         if not index.is_trained:
             rng = np.random.default_rng(config.seed)
-            sample = x[rng.choice(n, size=min(n, config.train_sample), replace=False)]
-            work.train(sample)
-        work.add(x)
+            work.train(sample(rng.choice(n, size=min(n, config.train_sample), replace=False)))
+        added = 0
+        for x in batches():
+            if len(x):
+                work.add(np.ascontiguousarray(x, dtype=np.float32))
+                added += len(x)
+        if added != n:
+            raise ConfigError(f"{added} embeddings for {n} doc ids; re-run the embedding job")
         if gpu:
             index = faiss.index_gpu_to_cpu(work)
         meta = {**(meta or {}), **{"kind": config.kind, "factory": spec, "dim": dim, "count": n,
                                    "metric": "inner_product", "config": asdict(config)}}
         log.info("built faiss index %s over %d vectors of dimension %d", spec, n, dim)
         return cls(index, ids, meta, use_gpu=config.use_gpu)
-
-    @classmethod
-    def from_shards(cls, directory: str | os.PathLike, config: IndexConfig | None = None,
-                    meta: dict | None = None) -> "DenseIndex":
-        ids, x = read_embedding_shards(directory)
-        return cls.build(ids, x, config, {**(meta or {}), "embeddings": str(directory)})
 
     # -- persistence ---------------------------------------------------------------------------
 
