@@ -16,10 +16,11 @@ the job ends are a :class:`BatchInferenceError` that names them (:func:`raise_if
 **Shard jobs** (:func:`run_shard_job`): one output shard per corpus shard ``W/shards/part-NNNNN.parquet``.
 The shards not done yet (``ckray.data.shards.is_done`` against the job's stamp) are read with
 ``read_parquet(include_paths=True)`` and cut into blocks of one actor batch, so every actor of the pool
-gets work, results stream back and a slow actor holds back at most one batch. The driver groups rows by
-their source shard and writes an output shard — rows in the corpus shard's order — with its done
-marker as soon as all of its documents are in, so a re-run skips finished shards and redoes
-half-written ones. An empty corpus shard gets an empty output shard without Ray.
+gets work, results stream back and a slow actor holds back at most one batch. Results come back in the
+shards' order; the driver groups rows by their source shard (reading a shard's ids when its first row
+arrives) and writes an output shard — rows in the corpus shard's order — with its done marker as soon as
+all of its documents are in, so it holds one shard's results at a time, a re-run skips finished shards
+and redoes half-written ones. An empty corpus shard gets an empty output shard without Ray.
 
 **Timing.** Actors add per-row columns (:func:`timing_columns`): their share of the batch's wall and
 process-CPU seconds, and the batch's completion time by the actor's clock. The driver sums the shares
@@ -344,50 +345,89 @@ def run_shard_job(job: ShardJob) -> dict:
 
 
 def _stream(job: ShardJob, pending: Sequence[Path], summary: dict) -> None:
-    """Map the pending shards on the actor pool; write each output shard once all its rows are in."""
+    """Map the pending shards on the actor pool; write each output shard once all its rows are in.
+
+    The rows come back in the shards' order (``preserve_order``), and a shard's ids are read only when its
+    first result arrives, so the driver holds the ids and results of the shard being completed (two where a
+    batch straddles a boundary), never the corpus's: ``max_open_shards`` in the summary says how many it held.
+    """
     ensure_ray()
     import ray.data
 
-    groups = {s.name: KeyedRows(pq.read_table(s, columns=["doc_id"]).column(0).to_pylist(), s.name) for s in pending}
     ds = ray.data.read_parquet([str(s) for s in pending], include_paths=True, columns=["doc_id", "title", "text"])
     ds = ds.repartition(target_num_rows_per_block=job.pool.batch_size)
     ds = map_on_actors(ds, job.actor, job.actor_kwargs, job.pool)
-    bar = _progress(sum(len(g.expected) for g in groups.values()), job.progress, job.what)
+    ds.context.execution_options.preserve_order = True
+    shards = ShardGroups(pending)
+    bar = _progress(sum(pq.read_metadata(s).num_rows for s in pending), job.progress, job.what)
     with ckray_errors_surfaced():
-        _collect(job, ds, groups, summary, bar)
+        _collect(job, ds, shards, summary, bar)
     bar.close()
-    raise_if_missing(groups.values(), job.what, "re-run it (finished shards are kept)")
+    summary["max_open_shards"] = shards.max_open
+    raise_if_missing(shards.unfinished(), job.what, "re-run it (finished shards are kept)")
     if summary["repeated_rows"]:
         log.warning("%s: dropped %d repeated rows (batches retried after a lost actor)", job.what,
                     summary["repeated_rows"])
 
 
-def _collect(job: ShardJob, ds: Any, groups: dict[str, KeyedRows], summary: dict, bar: Any) -> None:
+class ShardGroups:
+    """The :class:`KeyedRows` of the shards a job is reading, opened (the shard's ids read) on the shard's first
+    result row and closed when its output is written."""
+
+    def __init__(self, pending: Sequence[Path]):
+        self.paths = {p.name: p for p in pending}
+        self.open: dict[str, KeyedRows] = {}
+        self.written: set[str] = set()
+        self.max_open = 0
+
+    def group(self, name: str) -> KeyedRows | None:
+        """The open group of shard ``name`` (opened now if need be), or None for a shard already written."""
+        if name in self.written:
+            return None
+        if name not in self.open:
+            if name not in self.paths:
+                raise KeyError(name)
+            ids = pq.read_table(self.paths[name], columns=["doc_id"]).column(0).to_pylist()
+            self.open[name] = KeyedRows(ids, name)
+            self.max_open = max(self.max_open, len(self.open))
+        return self.open[name]
+
+    def close(self, name: str) -> KeyedRows:
+        self.written.add(name)
+        return self.open.pop(name)
+
+    def unfinished(self) -> list[KeyedRows]:
+        """Every shard not written: the open ones, and those no row of which came back."""
+        return [self.open.get(n) or KeyedRows(pq.read_table(p, columns=["doc_id"]).column(0).to_pylist(), n)
+                for n, p in self.paths.items() if n not in self.written]
+
+
+def _collect(job: ShardJob, ds: Any, shards: ShardGroups, summary: dict, bar: Any) -> None:
     """Take the result batches as they come; write each output shard once all its rows are in."""
-    written: set[str] = set()
     completions: list[tuple[float, int]] = []
     for batch in ds.iter_batches(batch_size=None, batch_format=job.batch_format):
         doc_ids, paths = column(batch, "doc_id"), column(batch, "path")
         touched = set()
         for doc_id, path, value in zip(doc_ids, paths, job.payloads(batch)):
             name = Path(str(path)).name
-            if name in groups and groups[name].add(str(doc_id), value):
+            try:
+                group = shards.group(name)
+            except KeyError:
+                raise BatchInferenceError(f"{job.what}: a row of {path}, which the job did not read") from None
+            if group is not None and group.add(str(doc_id), value):
                 summary["documents"] += 1
                 touched.add(name)
-            elif name in groups or name in written:  # a repeat from a retried batch
+            else:  # a repeat from a retried batch
                 summary["repeated_rows"] += 1
-            else:
-                raise BatchInferenceError(f"{job.what}: a row of {path}, which the job did not read")
         summary["batches"] += 1
         summary["actor_seconds"] += float(np.sum(column(batch, "_seconds")))
         summary["actor_cpu_seconds"] += float(np.sum(column(batch, "_cpu_seconds")))
         done_at = column(batch, "_done_at")
         completions += [(float(t), int(np.sum(done_at == t))) for t in np.unique(done_at)]
         for name in sorted(touched):
-            if groups[name].complete():
-                group = groups.pop(name)
+            if shards.open[name].complete():
+                group = shards.close(name)
                 job.write(job.out_dir / name, [str(d) for d in group.expected], group.values(), job.stamps[name])
-                written.add(name)
                 summary["shards_written"] += 1
                 log.info("%s %s: %d documents (%d/%d shards done)", job.what, name, len(group.expected),
                          summary["shards_skipped"] + summary["shards_written"], len(job.sources))

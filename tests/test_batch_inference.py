@@ -144,6 +144,24 @@ def test_shard_job_keeps_each_document_once_after_a_lost_actor_and_repeated_rows
 
 
 @pytest.mark.slow
+def test_shard_job_holds_one_shard_at_a_time_whatever_the_corpus(tmp_path, ray_session):
+    """Ten shards on two actors: results come back in the shards' order, so the driver opens a shard's group on
+    its first row and writes it before the next one opens (two at once where a batch straddles the boundary)."""
+    sources = []
+    for i in range(10):
+        ids = [f"s{i}d{j}" for j in range(7)]
+        write_parquet_atomic(pa.table({"doc_id": ids, "title": ["t"] * 7, "text": [d * 3 for d in ids]}),
+                             tmp_path / "shards" / shard_name(i))
+        sources.append(tmp_path / "shards" / shard_name(i))
+    summary = run_shard_job(_job(tmp_path, sources))
+    assert summary["shards_written"] == 10 and summary["documents"] == 70
+    assert 1 <= summary["max_open_shards"] <= 2
+    out = _written(tmp_path)
+    assert [[r["doc_id"] for r in out[s.name]] for s in sources] == \
+        [pq.read_table(s).column("doc_id").to_pylist() for s in sources]
+
+
+@pytest.mark.slow
 def test_shard_job_names_a_document_that_never_came_back(tmp_path, ray_session):
     sources = _corpus(tmp_path)
     with pytest.raises(BatchInferenceError, match=r"part-00002\.parquet: 1 \('d009'\)"):
