@@ -31,13 +31,14 @@ PathLike = str | os.PathLike
 
 
 def prepare(data: PathLike, workdir: PathLike, shards: int = 4, train_split: str | None = "train",
-            threads: int = 2, negative_depth: int = 1000) -> "PreparedCollection":
-    """Shard ``data`` into ``workdir``, build the BM25 index and the BM25 negatives of ``train_split``'s
-    queries (None: none), as ``jobs/prepare.py``. Finished work is kept."""
+            threads: int = 2, negative_depth: int = 1000, max_shard_mb: int = 32) -> "PreparedCollection":
+    """Shard ``data`` into ``workdir`` (at least ``shards`` shards of at most ``max_shard_mb`` MiB of the corpus
+    file), build the BM25 index and the BM25 negatives of ``train_split``'s queries (None: none), as
+    ``jobs/prepare.py``. Finished work is kept."""
     from ckray.data.prepare import prepare_collection
 
     return prepare_collection(data, workdir, shards=shards, split=train_split, threads=threads,
-                              negative_depth=negative_depth)
+                              negative_depth=negative_depth, max_shard_mb=max_shard_mb)
 
 
 def train(ranker: str, data: PathLike, workdir: PathLike, options: Any = None,

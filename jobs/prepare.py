@@ -1,6 +1,6 @@
 """Shard a collection with Ray Data, build the BM25 index and BM25 training negatives.
 
-    python jobs/prepare.py --data DIR --workdir W [--shards N]
+    python jobs/prepare.py --data DIR --workdir W [--shards N] [--max-shard-mb MB]
 """
 
 import sys
@@ -21,7 +21,8 @@ def main(args) -> None:
     print(f"collection {collection.name}: {collection.stats}")
     prepared = prepare_collection(args.data, args.workdir, shards=options.shards,
                                   split=options.train_split if options.negatives else None, collection=collection,
-                                  threads=options.threads, negative_depth=options.negative_depth)
+                                  threads=options.threads, negative_depth=options.negative_depth,
+                                  max_shard_mb=options.max_shard_mb)
     print(f"shards: {len(prepared.manifest['shards'])}, documents: {prepared.manifest['documents']}")
 
 

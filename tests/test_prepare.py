@@ -12,7 +12,7 @@ from ckray.data.examples import negatives_path
 from ckray.data.prepare import PrepareConfig, prepare_collection, prepare_shards, requested_shards, split_file
 from ckray.data.sample import generate_sample
 from ckray.data.shards import DocStore, is_done, load_corpus_table, marker_path, read_corpus_dataset, shard_paths
-from ckray.errors import CollectionError
+from ckray.errors import CollectionError, ConfigError
 
 
 @pytest.fixture()
@@ -145,3 +145,24 @@ def test_shards_are_written_a_batch_at_a_time_and_never_half(tmp_path):
     with pytest.raises(CollectionError, match=r"corpus\.jsonl:251: malformed JSON"):
         write_corpus_parquet(parse_corpus_lines("beir", cfile, corpus_lines(cfile)), out, batch_rows=100)
     assert list(tmp_path.glob("*.parquet")) == [] and list(tmp_path.glob(".part-*")) == []
+
+
+def test_shard_count_grows_with_the_corpus_past_max_shard_mb():
+    config = PrepareConfig(data="d", workdir="w", shards=4, max_shard_mb=32)
+    assert [config.shard_count(n) for n in (0, 7_800_000, 128 * 2**20, 128 * 2**20 + 1, 3 * 2**30)] == [4, 4, 4, 5, 96]
+    with pytest.raises(ConfigError, match="max_shard_mb"):
+        PrepareConfig(data="d", workdir="w", max_shard_mb=0)
+
+
+def test_a_corpus_larger_than_shards_times_max_shard_mb_gets_more_shards(ray_session, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "corpus.jsonl", "w") as f:   # about 2.6 MiB
+        for i in range(9000):
+            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": f"word{i % 97} " * 30}) + "\n")
+    w = tmp_path / "w"
+    manifest = prepare_shards(PrepareConfig(data=str(data), workdir=str(w), shards=1, max_shard_mb=1))
+    assert len(manifest["shards"]) == 3 and manifest["documents"] == 9000 and manifest["max_shard_mb"] == 1
+    assert all(pq.read_metadata(p).num_rows > 0 for p in shard_paths(w))
+    again = prepare_shards(PrepareConfig(data=str(data), workdir=str(w), shards=1, max_shard_mb=2))
+    assert len(again["shards"]) == 2 and len(shard_paths(w)) == 2 and again["documents"] == 9000

@@ -12,6 +12,7 @@ left half-rewritten by a crash or a full disk never count as a prepared corpus.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,15 +39,24 @@ class PrepareConfig:
     data: str
     workdir: str
     shards: int = 4
+    max_shard_mb: int = 32
 
     def __post_init__(self) -> None:
-        check_prepare_options(shards=self.shards)
+        check_prepare_options(shards=self.shards, max_shard_mb=self.max_shard_mb)
+
+    def shard_count(self, corpus_bytes: int) -> int:
+        """At least ``shards``, and enough that no shard holds more than ``max_shard_mb`` MiB of the corpus file:
+        what a shard costs every later stage (a batch-inference driver holds one shard's results; a Serve
+        replica or a task maps one shard at a time) stays bounded however large the corpus."""
+        return max(self.shards, math.ceil(corpus_bytes / (self.max_shard_mb * 2**20)))
 
 
-def check_prepare_options(shards: int | None = None, threads: int = 1, negative_depth: int = 1) -> None:
-    """Refuse a shard count, thread count or negative depth below 1 (``ConfigError.invalid``: a job names
-    its flag, ``--shards``)."""
-    for name, value in (("shards", shards), ("threads", threads), ("negative_depth", negative_depth)):
+def check_prepare_options(shards: int | None = None, threads: int = 1, negative_depth: int = 1,
+                          max_shard_mb: int = 1) -> None:
+    """Refuse a shard count, thread count, negative depth or shard size below 1 (``ConfigError.invalid``: a job
+    names its flag, ``--shards``)."""
+    for name, value in (("shards", shards), ("threads", threads), ("negative_depth", negative_depth),
+                        ("max_shard_mb", max_shard_mb)):
         if value is not None and value < 1:
             raise ConfigError.invalid("prepare", name, f"must be >= 1, got {value}")
 
@@ -55,7 +65,8 @@ def check_prepare_options(shards: int | None = None, threads: int = 1, negative_
 class PrepareOptions:
     """The prepare job's options (``jobs/prepare.py``'s flags, one per field)."""
 
-    shards: int = option(4, "number of corpus shards")
+    shards: int = option(4, "number of corpus shards, at least (more when the corpus needs them: --max-shard-mb)")
+    max_shard_mb: int = option(32, "largest corpus shard, in MiB of the corpus file: a larger corpus gets more shards")
     threads: int = option(2, "Lucene indexing/search threads")
     train_split: str = option("train", "qrels split whose queries get BM25 negatives")
     negative_depth: int = option(1000, "BM25 depth for training negatives")
@@ -64,7 +75,7 @@ class PrepareOptions:
                                        "text; without it they are kept, counted and reported once")
 
     def __post_init__(self) -> None:
-        check_prepare_options(self.shards, self.threads, self.negative_depth)
+        check_prepare_options(self.shards, self.threads, self.negative_depth, self.max_shard_mb)
 
 
 @dataclass
@@ -151,11 +162,12 @@ def prepare_shards(config: PrepareConfig) -> dict:
     manifest_path = out_dir / MANIFEST
     if manifest_path.exists():
         old = read_json(manifest_path)
-        if old.get("input_sha256") == sha and old.get("num_shards_requested") == config.shards and all(
+        if old.get("input_sha256") == sha and old.get("num_shards_requested") == config.shards and \
+                old.get("max_shard_mb", PrepareConfig.max_shard_mb) == config.max_shard_mb and all(
                 is_done(out_dir / s["name"], {"input_sha256": sha}) for s in old["shards"]):
             log.info("shards in %s are up to date (%d documents); nothing to do", out_dir, old["documents"])
             return old
-    ranges = split_file(cfile, config.shards)
+    ranges = split_file(cfile, config.shard_count(cfile.stat().st_size))
     pieces = [Piece(i, str(cfile), fmt, s, e, l, sha, str(out_dir / shard_name(i))) for i, (s, e, l) in enumerate(ranges)]
     todo = [p for p in pieces if not is_done(p.out, {"input_sha256": sha, "start": p.start, "end": p.end})]
     log.info("%d of %d shard(s) to write (%d already done)", len(todo), len(pieces), len(pieces) - len(todo))
@@ -173,6 +185,7 @@ def prepare_shards(config: PrepareConfig) -> dict:
               for p in pieces]
     manifest = {
         "input": str(cfile), "format": fmt, "input_sha256": sha, "num_shards_requested": config.shards,
+        "max_shard_mb": config.max_shard_mb,
         "documents": sum(s["rows"] for s in shards), "shards": shards, "ckray_version": __version__,
     }
     write_json_atomic(manifest, manifest_path)
@@ -233,11 +246,13 @@ def requested_shards(workdir: str | os.PathLike, shards: int | None = None) -> i
 
 def prepare_collection(data: str | os.PathLike, workdir: str | os.PathLike, shards: int | None = None,
                        split: str | None = "train", *, bm25: bool = True, collection: Collection | None = None,
-                       threads: int = 2, negative_depth: int = 1000) -> PreparedCollection:
+                       threads: int = 2, negative_depth: int = 1000,
+                       max_shard_mb: int = PrepareConfig.max_shard_mb) -> PreparedCollection:
     """The prepare stage, idempotent: shard the corpus of ``data`` (Ray Data), build the BM25 index
     from the shards, and the BM25 top-``negative_depth`` training negatives of ``split``'s queries.
 
-    ``shards``: the shard count (None: keep the work directory's, see :func:`requested_shards`).
+    ``shards``: the shard count, at least (None: keep the work directory's, see :func:`requested_shards`);
+    ``max_shard_mb``: more shards when the corpus file is larger than ``shards`` of this many MiB.
     ``split``: the qrels split whose queries get negatives; None, or a split the collection has no
     qrels for, skips them. ``bm25=False`` stops after the shards (``split`` must then be None).
     ``collection``: the already loaded collection of ``data``; loaded (before any work, so a bad
@@ -246,7 +261,7 @@ def prepare_collection(data: str | os.PathLike, workdir: str | os.PathLike, shar
     """
     if split is not None and not bm25:
         raise ValueError("BM25 negatives need the BM25 index: pass split=None with bm25=False")
-    check_prepare_options(shards, threads, negative_depth)
+    check_prepare_options(shards, threads, negative_depth, max_shard_mb)
     if split is not None and collection is None:
         from ckray.data.collections import load_collection
 
@@ -254,16 +269,17 @@ def prepare_collection(data: str | os.PathLike, workdir: str | os.PathLike, shar
     workdir = str(workdir)
     outputs = _output_files(workdir, split)
     written_before = _mtimes(outputs)
-    prepared = _prepare(data, workdir, shards, split, bm25, collection, threads, negative_depth)
+    prepared = _prepare(data, workdir, shards, split, bm25, collection, threads, negative_depth, max_shard_mb)
     prepared.did_work = _mtimes(outputs) != written_before
     return prepared
 
 
 def _prepare(data: str | os.PathLike, workdir: str, shards: int | None, split: str | None, bm25: bool,
-             collection: Collection | None, threads: int, negative_depth: int) -> PreparedCollection:
+             collection: Collection | None, threads: int, negative_depth: int,
+             max_shard_mb: int) -> PreparedCollection:
     """:func:`prepare_collection`'s steps, each skipped when up to date."""
-    manifest = prepare_shards(PrepareConfig(data=str(data), workdir=workdir,
-                                            shards=requested_shards(workdir, shards)))
+    manifest = prepare_shards(PrepareConfig(data=str(data), workdir=workdir, shards=requested_shards(workdir, shards),
+                                            max_shard_mb=max_shard_mb))
     prepared = PreparedCollection(manifest)
     if not bm25:
         return prepared
