@@ -67,7 +67,8 @@ def training_data(args: argparse.Namespace) -> TrainingData:
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if config.split not in qrels:
         raise ConfigError(f"--train-split {config.split!r}: {args.data} has qrels for {sorted(qrels)}")
-    prepare_collection(args.data, args.workdir, split=config.split)  # idempotent: works on a fresh workdir
+    # idempotent: works on a fresh workdir; negatives prepared at this depth or deeper are kept
+    prepare_collection(args.data, args.workdir, split=config.split, negative_depth=config.negative_depth)
     td = build_training_data(args.workdir, queries, qrels[config.split], config)
     if td.num_triples == 0:
         raise ConfigError(f"{args.data}: no training triples from split {config.split!r} — no non-dev query "

@@ -111,6 +111,10 @@ def test_negatives_and_training_data(sample_workdir):
     neg = pq.read_table(negatives_path(w)).to_pydict()
     assert set(neg["query_id"]) <= set(c.qrels["train"])
     assert max(neg["rank"]) <= 50
+    # negatives made at depth 50 serve a shallower request as they are (readers cut at their depth) ...
+    made = negatives_path(w).stat().st_mtime_ns
+    build_negatives(w, c.split_queries("train"), c.qrels["train"], depth=20)
+    assert negatives_path(w).stat().st_mtime_ns == made
     td = build_training_data(w, c.queries, c.qrels["train"], TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3))
     rows = td.head(td.num_triples).to_pydict()
     assert td.num_triples > 0 and len(rows["query_id"]) == td.num_triples
@@ -130,6 +134,9 @@ def test_negatives_and_training_data(sample_workdir):
     assert len(capped.dev) == 1 and len(held_out) > 1
     assert not set(capped.head(capped.num_triples).to_pydict()["query_id"]) & set(held_out)
     assert set(capped.train_queries) == set(td.train_queries)
+    # a deeper request than the files were made at searches again
+    build_negatives(w, c.split_queries("train"), c.qrels["train"], depth=60)
+    assert negatives_path(w).stat().st_mtime_ns != made and max(pq.read_table(negatives_path(w))["rank"].to_pylist()) > 50
 
 
 def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(sample_workdir):

@@ -96,7 +96,8 @@ def build_negatives(workdir: str | os.PathLike, queries: dict[str, str], qrels: 
     (sorted by query id, each query's rows by rank), and the BM25 score of every judged positive →
     ``W/negatives/<split>-positives.parquet`` (CLEAR's margin needs s_lex(q, d+) also when d+ is
     outside the top 1000). Searched on ``actors`` Ray actors with ``threads`` Lucene threads each
-    (None: as many as the cluster's CPUs hold); the rows stream into the files as the actors answer."""
+    (None: as many as the cluster's CPUs hold); the rows stream into the files as the actors answer.
+    Files made for the same queries and qrels at ``depth`` or deeper are kept."""
     from ckray.data.shards import is_done, mark_done
     from ckray.lexical.bm25 import bm25_retriever
     from ckray.lexical.pool import SearcherPool, chunks, default_actors
@@ -104,8 +105,9 @@ def build_negatives(workdir: str | os.PathLike, queries: dict[str, str], qrels: 
     out, pos_out = negatives_path(workdir, split), positives_path(workdir, split)
     stamp = {"queries_sha": _hash_dict(queries), "qrels_sha": _hash_dict(qrels), "depth": depth,
              "order": NEGATIVES_ORDER}
-    if is_done(out, stamp) and is_done(pos_out, stamp):
-        log.info("negatives for %s are up to date", split)
+    made = _negatives_depth(out, pos_out, stamp)
+    if made is not None:
+        log.info("negatives for %s are up to date (depth %d, %d asked for)", split, made, depth)
         return out
     pieces = chunks(sorted(queries))
     work = (({q: queries[q] for q in piece}, {q: _judged_positives(qrels.get(q, {})) for q in piece}, depth)
@@ -173,6 +175,22 @@ class _ParquetOut:
 
 def _hash_dict(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _negatives_depth(out: Path, pos_out: Path, stamp: dict) -> int | None:
+    """The depth the negatives files were made at when they serve ``stamp``: finished, for the same queries and
+    qrels, at its depth or deeper (readers cut each query's list at the depth they need, :func:`read_negatives`);
+    else None."""
+    from ckray.data.shards import is_done, marker_path, read_json
+
+    try:
+        made = int(read_json(marker_path(out))["depth"])
+    except Exception:
+        return None
+    if made < stamp["depth"]:
+        return None
+    deeper = {**stamp, "depth": made}
+    return made if is_done(out, deeper) and is_done(pos_out, deeper) else None
 
 
 def read_negatives(workdir: str | os.PathLike, split: str, qids: list[str], depth: int | None = None) -> Run:
