@@ -35,7 +35,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,8 @@ class ActorPoolConfig:
     max_restarts, max_task_retries: Ray fault tolerance (a lost actor is restarted and its batch
                        retried; the module docstring says what happens to the rows).
     gpus_per_actor:    with ``use_gpu``: e.g. 0.5 to place two actors on one GPU.
+    resources_per_actor: custom Ray resources per actor, e.g. ``{"ckray_infer": 1}``: only the nodes that
+                       advertise them (cluster.yaml's inference node type) take the actors.
     """
 
     actors: int = 1
@@ -116,13 +118,17 @@ class ActorPoolConfig:
     max_restarts: int = 4
     max_task_retries: int = 4
     gpus_per_actor: float = 1.0
+    resources_per_actor: dict[str, float] = field(default_factory=dict)
 
     def pool_checks(self) -> list[tuple[bool, str]]:
         """(condition, message) pairs a config's ``validate`` raises on."""
         return [(self.actors >= 1, "actors must be >= 1"), (self.cpus_per_actor > 0, "cpus_per_actor must be > 0"),
                 (self.batch_size >= 1, "batch_size must be >= 1"),
                 (self.max_restarts >= 0 and self.max_task_retries >= 0, "max_restarts and max_task_retries must be >= 0"),
-                (not self.use_gpu or self.gpus_per_actor > 0, "gpus_per_actor must be > 0")]
+                (not self.use_gpu or self.gpus_per_actor > 0, "gpus_per_actor must be > 0"),
+                (all(v >= 0 for v in self.resources_per_actor.values()), "resources_per_actor must be amounts >= 0"),
+                (not {"CPU", "GPU"} & set(self.resources_per_actor),
+                 "resources_per_actor must not name CPU or GPU (cpus_per_actor, use_gpu set those)")]
 
     @property
     def torch_threads(self) -> int:
@@ -146,6 +152,8 @@ def map_on_actors(ds: Any, actor: type, constructor_kwargs: Mapping[str, Any], p
                               "max_task_retries": pool.max_task_retries}
     if pool.use_gpu:
         remote["num_gpus"] = pool.gpus_per_actor
+    if pool.resources_per_actor:
+        remote["resources"] = dict(pool.resources_per_actor)
     # Ray 2.60 has no named parameter for actor fault tolerance: max_restarts/max_task_retries go
     # through ray_remote_args, which warns that it is deprecated.
     with warnings.catch_warnings():

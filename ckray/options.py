@@ -18,6 +18,7 @@ Imports neither torch nor Ray.
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import typing
 from typing import Any, Callable, Collection
@@ -125,3 +126,26 @@ def namespace(*options: Any, **values: Any) -> argparse.Namespace:
             vars(out).update({f.name: getattr(o, f.name) for f in dataclasses.fields(o)})
     vars(out).update(values)
     return out
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``'{"ckray_train": 1}'`` or ``ckray_train=1,other=0.5`` → ``{"ckray_train": 1.0, ...}`` (the
+    ``--resources-per-worker`` and ``--resources-per-actor`` flags: custom Ray resources that only some node
+    types of ``cluster.yaml`` advertise)."""
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+        else:
+            value = {}
+            for item in filter(None, (s.strip() for s in text.split(","))):
+                key, sep, amount = item.partition("=")
+                if not sep or not key.strip():
+                    raise ValueError(f"{item!r} is not NAME=AMOUNT")
+                value[key.strip()] = amount
+        return {str(k): float(v) for k, v in value.items()}
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"resources {text!r}: {exc} (expected JSON like '{{\"ckray_train\": 1}}' or ckray_train=1)") from None

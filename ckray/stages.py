@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ckray.errors import ConfigError
-from ckray.options import add_options, option
+from ckray.options import add_options, option, parse_resources
 from ckray.rankers import TrainingStage, indexed, trainable
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ class ActorPoolOptions:
     actors: int = option(1, "actor pool size (one model copy each)")
     use_gpu: bool = option(False, "one GPU per actor")
     cpus_per_actor: float = option(1.0, "CPUs (and torch threads) per actor")
+    resources_per_actor: dict[str, float] = option(
+        help="extra Ray resources per actor, e.g. ckray_infer=1: only nodes that advertise them take the actors "
+             "(default: none)", default_factory=dict, parse=parse_resources, metavar="JSON|K=V[,K=V]")
 
 
 def add_actor_pool_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

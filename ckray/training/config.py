@@ -10,31 +10,9 @@ import json
 from dataclasses import dataclass
 
 from ckray.errors import ConfigError
-from ckray.options import option
+from ckray.options import option, parse_resources
 
 PRECISIONS = ("auto", "fp32", "bf16")
-
-
-def parse_resources(text: str) -> dict[str, float]:
-    """``'{"ckray_train": 1}'`` or ``ckray_train=1,other=0.5`` → ``{"ckray_train": 1.0, ...}`` (the
-    ``--resources-per-worker`` flag)."""
-    text = text.strip()
-    try:
-        if text.startswith("{"):
-            value = json.loads(text)
-            if not isinstance(value, dict):
-                raise ValueError("not a JSON object")
-        else:
-            value = {}
-            for item in filter(None, (s.strip() for s in text.split(","))):
-                key, sep, amount = item.partition("=")
-                if not sep or not key.strip():
-                    raise ValueError(f"{item!r} is not NAME=AMOUNT")
-                value[key.strip()] = amount
-        return {str(k): float(v) for k, v in value.items()}
-    except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(
-            f"resources {text!r}: {exc} (expected JSON like '{{\"ckray_train\": 1}}' or ckray_train=1)") from None
 
 
 @dataclass

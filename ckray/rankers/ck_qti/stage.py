@@ -78,6 +78,7 @@ def build_index(args: argparse.Namespace) -> dict:
                           expansion_candidates=args.expansion_candidates,
                           candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
                           actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
+                          resources_per_actor=args.resources_per_actor,
                           batch_size=args.batch_size, token_budget=args.token_budget,
                           index_threads=args.index_threads)
     config.validate()

@@ -42,7 +42,8 @@ def build_index(args: argparse.Namespace) -> dict:
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
     embed = EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
-                        cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len)
+                        cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len,
+                        resources_per_actor=args.resources_per_actor)
     embed.validate()  # the flags are checked before Ray starts
     init_ray()
     _, summary = build_dense_index(args.workdir, checkpoint, embed, IndexConfig(kind=args.index))
