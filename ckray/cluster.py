@@ -402,6 +402,12 @@ class LocalHead:
         out = self.api("/api/v0/actors?limit=10000&detail=1")
         return out["data"]["result"]["result"]
 
+    def tasks(self) -> list[dict]:
+        """Every task the GCS still knows (state API): name, type (NORMAL_TASK, ACTOR_CREATION_TASK,
+        ACTOR_TASK, DRIVER_TASK), node_id, required_resources, state, ... E.g. where a job's Ray Data tasks ran."""
+        out = self.api("/api/v0/tasks?limit=10000&detail=1", timeout=30)
+        return out["data"]["result"]["result"]
+
     def submit_job(self, entrypoint: list[str], submission_id: str, *, working_dir: str | None = None,
                    timeout_s: float = 120.0, attempts: int = 6) -> str:
         """`ray job submit --no-wait` of `entrypoint` (argv) to this cluster; returns the submission

@@ -411,3 +411,70 @@ def test_local_autoscaling_adds_a_training_node_and_removes_it_when_idle(ray_ses
     assert not temp_dir.exists()
     print(f"\ndata prepared {t_prepared:.0f}s, head ready {t_ready:.0f}s, job done (node added) {t_job:.0f}s, "
           f"node removed {t_removed:.0f}s, torn down {time.time() - t0:.0f}s")
+
+
+# --------------------------------------------------------------------------- where each stage runs
+
+def _wait_for_job(head, job_id: str, timeout_s: float = 600) -> str:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        status = head.job_status(job_id)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return status
+        time.sleep(1)
+    return "TIMEOUT"
+
+
+@pytest.mark.slow
+def test_every_stage_runs_its_tasks_and_actors_on_worker_nodes(tmp_path, minilm_path):
+    """A head that offers no CPUs (the coordinator of a large cluster): `ray job submit` of jobs/prepare.py
+    (Ray Data shard tasks, BM25 negatives on a pool of search actors) and jobs/build_dense_index.py with
+    `--resources-per-actor ckray_infer=1` (the encoder actors). Every task and actor that needs a CPU ran on a
+    worker node the autoscaler added, the encoder actors on the inference node type; the jobs wrote their
+    shards, negatives and index."""
+    import torch
+
+    from ckray.data.sample import SampleConfig, generate_sample
+    from ckray.models.checkpoint import save_model
+    from ckray.rankers.clear.model import CLEAR, CLEARConfig
+
+    data = generate_sample(tmp_path / "data", SampleConfig(n_topics=12))
+    w = tmp_path / "w"
+    torch.manual_seed(0)
+    checkpoint = save_model(CLEAR(CLEARConfig(encoder=minilm_path, pretrained=False, doc_max_len=64, bert_config=dict(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128))), tmp_path / "clear")
+
+    cfg = local_fake_config(CLUSTER_YAML, cpus_per_node=2, head_cpus=0, max_workers_per_type=1)
+    infer_type, _ = _type_with(cfg, INFER_RESOURCE)
+    with local_autoscaling_head(cfg, cwd=ROOT) as head:
+        jobs = {
+            "prepare": [sys.executable, "jobs/prepare.py", "--data", str(data), "--workdir", str(w), "--shards", "2",
+                        "--threads", "1", "--negative-depth", "20"],
+            "dense": [sys.executable, "jobs/build_dense_index.py", "--data", str(data), "--workdir", str(w),
+                      "--checkpoint", str(checkpoint), "--resources-per-actor", f"{INFER_RESOURCE}=1"],
+        }
+        for name, entrypoint in jobs.items():
+            job_id = head.submit_job(entrypoint, f"ckray-placement-{name}-{uuid.uuid4().hex[:8]}")
+            status = _wait_for_job(head, job_id)
+            assert status == "SUCCEEDED", f"{name}: {status}\n{head.job_logs(job_id)[-4000:]}{_diagnostics(head)}"
+        nodes = {n["node_id"]: n for n in head.nodes()}
+        head_ids = {i for i, n in nodes.items() if n["is_head_node"]}
+        tasks = head.tasks()
+        actors = head.actors()
+
+    workers = {i for i, n in nodes.items() if not n["is_head_node"]}
+    # tasks that ran (actor creation tasks carry no node: their actors below do) and actors that asked for resources
+    ran = [(t["name"], t.get("node_id")) for t in tasks if t.get("required_resources")
+           and t.get("type") in ("NORMAL_TASK", "ACTOR_TASK") and t.get("state") == "FINISHED"]
+    placed = [(a["class_name"], a.get("node_id")) for a in actors if a.get("required_resources")]
+    for wanted, among in (("write_piece", ran), ("SearchActor", placed), ("DocumentEncoder", placed)):
+        assert any(wanted in name for name, _ in among), f"no {wanted} among {among}"
+    off_workers = [(name, node) for name, node in ran + placed if node not in workers]
+    assert not off_workers, f"ran off the worker nodes (head: {head_ids}): {off_workers}"
+    encoders = {node for name, node in placed if "DocumentEncoder" in name}
+    assert all(nodes[i]["resources_total"].get(INFER_RESOURCE) for i in encoders), \
+        f"encoder actors off the {infer_type} nodes: {[nodes[i]['resources_total'] for i in encoders]}"
+    # and the jobs did their work
+    assert json.loads((w / "shards" / "_manifest.json").read_text())["documents"] > 0
+    assert (w / "negatives" / "train.parquet").exists() and (w / "dense" / "index" / "index.faiss").exists()
