@@ -28,7 +28,11 @@ runs in a process of its own, as its job would:
 Per stage and N one JSON line: ``wall_s``, ``docs_per_s`` (N / wall time), ``driver_peak_rss_mb`` (the
 stage process's ``ru_maxrss``), ``worker_peak_rss_mb`` and ``worker_peak`` (the largest process of the
 stage's Ray cluster, ``ray::*``, or a subprocess of the stage such as Lucene's indexer, sampled
-every 0.2 s; the JVM's heap is capped by ``$CKRAY_JVM_HEAP`` and counted there), the load average
+every 0.2 s; the JVM's heap is capped by ``$CKRAY_JVM_HEAP`` and counted there); ``driver_peak_anon_mb`` and
+``worker_peak_anon_mb``, the same for anonymous memory only (``RssAnon``, sampled: what a process owns, without
+the pages of the files it maps — the document store, Lucene's index — which the kernel can drop); where the
+stage process runs Lucene in-process, ``jvm_heap_committed_mb`` and ``driver_peak_anon_less_jvm_heap_mb``
+(what Python holds: the JVM commits heap lazily, up to its cap, and seldom returns it), the load average
 before and after, and the stage's own figures. Then one summary line with, for each stage, the
 growth from the smallest N to each larger one of the driver's and the largest worker's peak RSS and
 of the time per document. The machine may be shared: times are upper bounds (the load is printed).
@@ -236,18 +240,48 @@ def run_stage(a: argparse.Namespace) -> None:
     out = globals()["stage_" + a.run_stage.replace("-", "_")](a)
     out["stage_s"] = round(time.perf_counter() - t0, 2)
     out["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    heap = jvm_heap_committed_mb()
+    if heap is not None:   # an in-process JVM (Lucene): its heap grows lazily up to $CKRAY_JVM_HEAP
+        out["jvm_heap_committed_mb"] = heap
     print("STAGE-RESULT " + json.dumps(out), flush=True)
+
+
+def jvm_heap_committed_mb() -> float | None:
+    """The heap this process's JVM has committed (``Runtime.totalMemory``), or None without a JVM. It only grows
+    (up to ``-Xmx``, ``$CKRAY_JVM_HEAP``), so subtracting it from the peak RSS leaves what Python holds."""
+    import jnius_config
+
+    if not jnius_config.vm_running:
+        return None
+    import jnius
+
+    return round(jnius.autoclass("java.lang.Runtime").getRuntime().totalMemory() / 2**20, 1)
 
 
 # --------------------------------------------------------------------------- the parent: processes and memory
 
+def anon_rss(pid: int) -> int:
+    """The anonymous resident memory of ``pid`` in bytes (``RssAnon``: what the process owns, without the pages of
+    files it maps, such as the document store's Arrow files and Lucene's index), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class PeakSampler(threading.Thread):
-    """Largest RSS among the cluster's Ray worker processes and the stage process's subprocesses."""
+    """Largest RSS among the cluster's Ray worker processes and the stage process's subprocesses; the largest
+    anonymous RSS among them, and the stage process's own anonymous RSS."""
 
     def __init__(self, cluster_pids, stage_pid: int, interval: float = 0.2):
         super().__init__(daemon=True)
         self.cluster_pids, self.stage_pid, self.interval = cluster_pids, stage_pid, interval
         self.peak, self.name = 0, ""
+        self.peak_anon, self.driver_anon = 0, 0
         self.stop = threading.Event()
 
     def _candidates(self):
@@ -273,12 +307,14 @@ class PeakSampler(threading.Thread):
         import psutil
 
         while not self.stop.is_set():
+            self.driver_anon = max(self.driver_anon, anon_rss(self.stage_pid))
             for p in self._candidates():
                 try:
                     rss = p.memory_info().rss
                     if rss > self.peak:
                         title = " ".join(p.cmdline()[:3])
                         self.peak, self.name = rss, title[:80]
+                    self.peak_anon = max(self.peak_anon, anon_rss(p.pid))
                 except psutil.Error:
                     continue
             self.stop.wait(self.interval)
@@ -305,6 +341,8 @@ def measure(stage: str, a: argparse.Namespace, data: Path, workdir: Path, head) 
     wall = time.perf_counter() - t0
     row = {"bench": "scale", "stage": stage, "n": a.current_n, "long": a.long, "wall_s": round(wall, 1),
            "docs_per_s": round(a.current_n / wall, 1), "worker_peak_rss_mb": round(sampler.peak / 2**20, 1),
+           "worker_peak_anon_mb": round(sampler.peak_anon / 2**20, 1),
+           "driver_peak_anon_mb": round(sampler.driver_anon / 2**20, 1),
            "worker_peak": sampler.name, "loadavg_1m": [round(load, 1), round(os.getloadavg()[0], 1)]}
     result = [line for line in stdout.splitlines() if line.startswith("STAGE-RESULT ")]
     if proc.returncode != 0 or not result:
@@ -312,6 +350,8 @@ def measure(stage: str, a: argparse.Namespace, data: Path, workdir: Path, head) 
         (workdir / f"{stage}.log").write_text(stdout + stderr)
     else:
         row.update(json.loads(result[-1][len("STAGE-RESULT "):]))
+        if "jvm_heap_committed_mb" in row:
+            row["driver_peak_anon_less_jvm_heap_mb"] = round(row["driver_peak_anon_mb"] - row["jvm_heap_committed_mb"], 1)
     return row
 
 
@@ -327,6 +367,11 @@ def summarize(rows: list[dict]) -> dict:
             b = by_n[big]
             growth.setdefault(stage, {})[f"{sizes[0]}->{big}"] = {
                 "driver_rss": round(b["driver_peak_rss_mb"] / small["driver_peak_rss_mb"], 2),
+                "driver_anon": round(b["driver_peak_anon_mb"] / max(small["driver_peak_anon_mb"], 1), 2),
+                **({"driver_anon_less_jvm_heap": round(b["driver_peak_anon_less_jvm_heap_mb"]
+                                                       / small["driver_peak_anon_less_jvm_heap_mb"], 2)}
+                   if "driver_peak_anon_less_jvm_heap_mb" in b and "driver_peak_anon_less_jvm_heap_mb" in small else {}),
+                "worker_anon": round(max(b["worker_peak_anon_mb"], 1) / max(small["worker_peak_anon_mb"], 1), 2),
                 "worker_rss": round(max(b["worker_peak_rss_mb"], 1) / max(small["worker_peak_rss_mb"], 1), 2),
                 "time_per_doc": round((b["wall_s"] / big) / (small["wall_s"] / sizes[0]), 3)}
     return {"bench": "scale-summary", "growth": growth, "cores": os.cpu_count(),
