@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from ckray.data.collections import CORPUS_SCHEMA, doc_text, load_collection
-from ckray.data.docstore import HASHES, MARKER, id_hashes, store_dir
+from ckray.data.docstore import HASHES, MARKER, HashedIds, id_hashes, store_dir
 from ckray.workdir import WorkDir
 from ckray.data.sample import generate_sample
 from ckray.data.shards import DocStore, write_corpus_shards
@@ -67,17 +67,29 @@ def test_a_hash_collision_is_told_apart_by_the_stored_id(corpus, tmp_path):
     """Index entries that share a hash with another id: the lookup checks the id stored at each position."""
     write_shards(tmp_path, corpus)
     store = DocStore(tmp_path)
+    index = store._index
     a, b = corpus.column("doc_id")[0].as_py(), corpus.column("doc_id")[1].as_py()
     h_a, h_ghost = id_hashes([a, "ghost"])
-    pos_a, pos_b = (store._positions[int(store._hashes.searchsorted(h))] for h in id_hashes([a, b]))
+    pos_a, pos_b = (index.rows[int(index.sorted_hashes.searchsorted(h))] for h in id_hashes([a, b]))
     # first among a's hash: an entry pointing at b; "ghost"'s hash pointing at a
-    hashes = np.concatenate([[h_a, h_ghost], store._hashes])
-    positions = np.concatenate([[pos_b, pos_a], store._positions])
+    hashes = np.concatenate([[h_a, h_ghost], index.sorted_hashes])
+    positions = np.concatenate([[pos_b, pos_a], index.rows])
     order = hashes.argsort(kind="stable")
-    store._hashes, store._positions = hashes[order], positions[order]
+    index.sorted_hashes, index.rows = hashes[order], positions[order]
     assert store.get(a) == (corpus["title"][0].as_py(), corpus["text"][0].as_py())
     assert store.get(b) == (corpus["title"][1].as_py(), corpus["text"][1].as_py())
     assert "ghost" not in store
+    assert index.duplicate() is None   # equal hashes of different ids are no duplicate
+
+
+def test_a_duplicate_is_found_within_a_run_of_equal_hashes_not_only_between_neighbours():
+    """Three rows of one hash (a collision), ids a, b, a: neighbours differ, the run holds a twice."""
+    ids = ["a", "b", "a", "c"]
+    index = HashedIds(np.array([7, 7, 7, 9], np.uint64), np.array([0, 1, 2, 3]), ids.__getitem__)
+    assert index.duplicate() == ("a", 0, 2)
+    assert HashedIds(np.array([7, 7, 9], np.uint64), np.array([0, 1, 3]), ids.__getitem__).duplicate() is None
+    real = HashedIds.of(id_hashes(ids[1:]), ids[1:].__getitem__)
+    assert [real.row(d) for d in ("b", "a", "c", "z")] == [0, 1, 2, None] and real.duplicate() is None
 
 
 def test_duplicate_id_names_the_id_and_its_shards(corpus, tmp_path):

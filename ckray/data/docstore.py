@@ -36,7 +36,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -71,6 +71,56 @@ def id_hashes(doc_ids: Sequence[str]) -> np.ndarray:
     """:func:`id_hash` of each id, as ``uint64``."""
     digests = b"".join(hashlib.blake2b(d.encode("utf-8"), digest_size=8).digest() for d in doc_ids)
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+class HashedIds:
+    """Doc id → row without a Python object per document: the ids' :func:`id_hash` values sorted, with the row
+    each belongs to (16 bytes a document, arrays that may be memory-mapped). A lookup binary-searches the hash
+    and compares the id stored at each row of an equal hash (``id_at(row)``), so a hash collision never
+    returns the wrong row. The one lookup behind :class:`DocStore` and the dense index's ``DocIdMap``."""
+
+    def __init__(self, sorted_hashes: np.ndarray, rows: np.ndarray, id_at: Callable[[int], str]):
+        self.sorted_hashes, self.rows, self.id_at = sorted_hashes, rows, id_at
+
+    @classmethod
+    def of(cls, hashes: np.ndarray, id_at: Callable[[int], str]) -> "HashedIds":
+        """From the hashes of rows 0..n-1, in row order."""
+        order = np.argsort(hashes, kind="stable")
+        return cls(hashes[order], order, id_at)
+
+    def __len__(self) -> int:
+        return len(self.sorted_hashes)
+
+    def row(self, doc_id: str) -> int | None:
+        """The row of ``doc_id``, or None."""
+        h = np.uint64(id_hash(doc_id))
+        i = int(self.sorted_hashes.searchsorted(h))
+        while i < len(self.sorted_hashes) and self.sorted_hashes[i] == h:
+            row = int(self.rows[i])
+            if self.id_at(row) == doc_id:
+                return row
+            i += 1
+        return None
+
+    def duplicate(self) -> tuple[str, int, int] | None:
+        """The first id stored at two rows, as (id, first row, second row), or None. Only ids of equal hashes
+        can be the same; within each run of equal hashes the ids are compared as strings."""
+        checked_to = 0   # positions below it belong to runs already compared
+        for start in np.flatnonzero(self.sorted_hashes[1:] == self.sorted_hashes[:-1]):
+            if start < checked_to:
+                continue
+            end = int(start) + 2
+            while end < len(self.sorted_hashes) and self.sorted_hashes[end] == self.sorted_hashes[start]:
+                end += 1
+            seen: dict[str, int] = {}
+            for j in range(int(start), end):
+                row = int(self.rows[j])
+                doc_id = self.id_at(row)
+                if doc_id in seen:
+                    return doc_id, min(seen[doc_id], row), max(seen[doc_id], row)
+                seen[doc_id] = row
+            checked_to = end
+        return None
 
 
 def source_fingerprint(workdir: str | os.PathLike) -> dict:
@@ -197,27 +247,19 @@ def _write_store(workdir: str | os.PathLike, out: Path, shard_names: list[str]) 
 
 
 def _check_unique(out: Path, shard_names: list[str], sorted_hashes: np.ndarray, order: np.ndarray) -> None:
-    """Raise :class:`DuplicateDocumentError` for a doc id stored twice: only ids whose hashes are equal can be,
-    and those are compared as strings (so a hash collision is not mistaken for a duplicate)."""
-    equal = np.flatnonzero(sorted_hashes[1:] == sorted_hashes[:-1])
-    if not equal.size:
+    """Raise :class:`DuplicateDocumentError` for a doc id stored twice (:meth:`HashedIds.duplicate`), naming the
+    shards it occurs in."""
+    if not np.any(sorted_hashes[1:] == sorted_hashes[:-1]):
         return
     rows = _Rows(out)
-    for i in equal:  # a run of k equal hashes shows up as k-1 adjacent pairs; each pair is checked at its end
-        run_start = i
-        while run_start > 0 and sorted_hashes[run_start - 1] == sorted_hashes[i]:
-            run_start -= 1
-        seen: dict[str, int] = {}
-        for j in range(run_start, i + 2):
-            pos = int(order[j])
-            doc_id = rows.doc_id(pos)
-            if doc_id in seen:
-                first, second = shard_names[rows.file_of(seen[doc_id])], shard_names[rows.file_of(pos)]
-                where = f"shard {first}" if first == second else f"shards {first} and {second}"
-                raise DuplicateDocumentError(
-                    f"duplicate document id {doc_id!r} in the corpus shards ({where}); "
-                    "re-prepare the collection (jobs/prepare.py) from a corpus with unique ids", doc_id)
-            seen[doc_id] = pos
+    found = HashedIds(sorted_hashes, order, rows.doc_id).duplicate()
+    if found is None:
+        return
+    doc_id, first_row, second_row = found
+    first, second = shard_names[rows.file_of(first_row)], shard_names[rows.file_of(second_row)]
+    where = f"shard {first}" if first == second else f"shards {first} and {second}"
+    raise DuplicateDocumentError(f"duplicate document id {doc_id!r} in the corpus shards ({where}); "
+                                 "re-prepare the collection (jobs/prepare.py) from a corpus with unique ids", doc_id)
 
 
 def arrow_name(i: int) -> str:
@@ -323,8 +365,8 @@ class DocStore:
         self.path = ensure_store(workdir)
         self._rows = _Rows(self.path)
         # plain ndarray views of the mapped files (np.memmap's own indexing is several times slower)
-        self._hashes = np.load(self.path / HASHES, mmap_mode="r").view(np.ndarray)
-        self._positions = np.load(self.path / POSITIONS, mmap_mode="r").view(np.ndarray)
+        self._index = HashedIds(np.load(self.path / HASHES, mmap_mode="r").view(np.ndarray),
+                                np.load(self.path / POSITIONS, mmap_mode="r").view(np.ndarray), self._rows.doc_id)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return DocStore, (self._workdir,)
@@ -351,11 +393,4 @@ class DocStore:
 
     def _find(self, doc_id: str) -> int | None:
         """The global row of ``doc_id``, or None."""
-        h = np.uint64(id_hash(doc_id))
-        i = int(self._hashes.searchsorted(h))
-        while i < len(self._hashes) and self._hashes[i] == h:
-            pos = int(self._positions[i])
-            if self._rows.doc_id(pos) == doc_id:
-                return pos
-            i += 1
-        return None
+        return self._index.row(doc_id)

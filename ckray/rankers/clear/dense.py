@@ -310,20 +310,18 @@ class IndexConfig:
 
 class DocIdMap:
     """The dense index's row ↔ doc id mapping without a Python object per document: the ids as one Arrow
-    string array (row → id) and their 64-bit hashes sorted with the rows they belong to (id → row by
-    binary search, the id compared to rule out a hash collision): about 16 bytes per document beside the
-    ids' own bytes, where a list and a dict of Python strings take ~150."""
+    string array (row → id) and ``ckray.data.docstore.HashedIds`` over them (id → row): about 16 bytes per
+    document beside the ids' own bytes, where a list and a dict of Python strings take ~150."""
 
     def __init__(self, doc_ids: "Sequence[str] | pa.Array | pa.ChunkedArray"):
-        from ckray.data.docstore import id_hashes
+        from ckray.data.docstore import HashedIds, id_hashes
 
         ids = doc_ids if isinstance(doc_ids, (pa.Array, pa.ChunkedArray)) else pa.array(list(doc_ids), pa.string())
         self.ids: pa.Array = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
         step = 1 << 16   # ids hashed a slice at a time: the Python strings of one slice exist at once
         hashes = np.concatenate([id_hashes(self.ids.slice(i, step).to_pylist()) for i in range(0, len(self.ids), step)]
                                 or [np.zeros(0, np.uint64)])
-        self._order = np.argsort(hashes, kind="stable")
-        self._sorted = hashes[self._order]
+        self._index = HashedIds.of(hashes, self.__getitem__)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -333,21 +331,12 @@ class DocIdMap:
 
     def row(self, doc_id: str) -> int | None:
         """The row of ``doc_id``, or None."""
-        from ckray.data.docstore import id_hashes
-
-        h = id_hashes([doc_id])[0]
-        for pos in range(int(np.searchsorted(self._sorted, h, "left")), int(np.searchsorted(self._sorted, h, "right"))):
-            if self[self._order[pos]] == doc_id:
-                return int(self._order[pos])
-        return None
+        return self._index.row(doc_id)
 
     def first_duplicate(self) -> str | None:
-        """An id that occurs twice, or None (equal hashes are adjacent in the sorted order)."""
-        for pos in np.flatnonzero(self._sorted[1:] == self._sorted[:-1]):
-            a, b = self[self._order[pos]], self[self._order[pos + 1]]
-            if a == b:
-                return a
-        return None
+        """An id that occurs twice, or None."""
+        found = self._index.duplicate()
+        return found[0] if found else None
 
 
 class DenseIndex:
