@@ -23,16 +23,14 @@ IMPACT_FLAGS = ("top_k", "explicit_weight")   # of the CK-QTI impact index job's
 
 
 def main(args) -> None:
-    from ckray import api
-    from ckray.benchmark import BenchmarkConfig, markdown_table
+    from ckray.benchmark import BenchmarkConfig, markdown_table, run_benchmark
     from ckray.options import options_from_args
 
     from_workdir = str(Path(args.from_workdir) / "checkpoints") if args.from_workdir else None
-    c = options_from_args(BenchmarkConfig, args, checkpoints=from_workdir)   # --checkpoints wins
     index_options = {"ck-qti": {k: getattr(args, k) for k in IMPACT_FLAGS if getattr(args, k) is not None}}
-    table = api.benchmark(c.data, c.checkpoints, pipelines=c.pipelines, workdir_root=c.workdir_root, split=c.split,
-                          measure=c.measure, k=c.k, rerank_depth=c.rerank_depth, shards=c.shards,
-                          index_options=index_options, lam=c.lam, fusion_weight=c.fusion_weight)
+    c = options_from_args(BenchmarkConfig, args, checkpoints=from_workdir,   # --checkpoints wins
+                          index_options=index_options)
+    table = run_benchmark(c)
     print(markdown_table(table))
     print(f"written: {', '.join(str(Path(c.workdir_root) / f) for f in ('benchmark.md', 'benchmark.json', 'benchmark.png'))}")
 

@@ -21,13 +21,11 @@ from ckray.cli import base_parser, run_job  # noqa: E402
 
 
 def main(args) -> None:
-    from ckray import api
-    from ckray.evaluation import EvaluateConfig, format_table
+    from ckray.evaluation import EvaluateConfig, evaluate_pipelines, format_table
     from ckray.options import options_from_args
 
     c = options_from_args(EvaluateConfig, args, data=args.data, workdir=args.workdir)
-    results = api.evaluate(c.pipelines, c.data, c.workdir, split=c.split, k=c.k, rerank_depth=c.rerank_depth,
-                           lam=c.lam, fusion_weight=c.fusion_weight)
+    results = evaluate_pipelines(c)
     print(format_table(results, c.split))
 
 
