@@ -229,3 +229,12 @@ def test_scifact_bm25_matches_pyserini_beir_figure(ray_session, scifact_dir, tmp
     metrics = evaluate(run, c.qrels["test"])
     assert metrics["nDCG@10"] == pytest.approx(0.679, abs=0.005)
     assert metrics["R@100"] == pytest.approx(0.925, abs=0.01)
+
+
+def test_a_failed_lucene_indexer_raises_with_the_end_of_its_output(tmp_path):
+    from ckray.errors import CkrayError
+    from ckray.lexical.anserini import run_anserini
+
+    with pytest.raises(CkrayError, match=r"Anserini IndexCollection failed \(exit [1-9]\d*\):\n(.|\n)*\S"):
+        run_anserini("IndexCollection", ["-collection", "NoSuchCollection", "-input", str(tmp_path / "none"),
+                                         "-index", str(tmp_path / "index")])

@@ -4,18 +4,25 @@ indexing runs in its own process (its heap is freed when it ends)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 
 from ckray.errors import CkrayError
 
 
 def run_anserini(main_class: str, args: list[str]) -> None:
-    """Run ``io.anserini.index.<main_class>.main(args)`` in a subprocess; raise with its output on failure."""
+    """Run ``io.anserini.index.<main_class>.main(args)`` in a subprocess; raise with the end of its output on
+    failure. The output (Anserini logs progress as it indexes) goes to a temporary file, not to this process's
+    memory, whatever the corpus's size."""
     cmd = [sys.executable, "-m", "ckray.lexical.anserini", main_class, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise CkrayError(f"Anserini {main_class} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile() as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            out.seek(max(0, out.seek(0, os.SEEK_END) - 6000))
+            tail = out.read().decode("utf-8", "replace")
+            raise CkrayError(f"Anserini {main_class} failed (exit {code}):\n{tail}")
 
 
 def _main(argv: list[str]) -> None:
