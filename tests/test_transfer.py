@@ -47,6 +47,19 @@ def _batch(workdir: Path, n: int = 12) -> dict[str, np.ndarray]:
             "text": np.array(t["text"].to_pylist()), "path": np.array(["shard"] * n)}
 
 
+def test_corpus_statistics_with_a_ray_task_per_shard_equal_one_pass(two_corpora):
+    from ckray.data.shards import shard_paths
+    from ckray.rankers.ck_qti.impact import sharded_corpus_statistics
+
+    config = load_ck_model(two_corpora["checkpoint"]).config
+    for workdir in (two_corpora["train"], two_corpora["target"]):
+        assert len(shard_paths(workdir)) > 1
+        one_pass = corpus_statistics(iter_doc_texts(workdir), config)
+        sharded = sharded_corpus_statistics(workdir, config)
+        assert torch.equal(sharded.doc_freq, one_pass.doc_freq) and sharded.n_docs == one_pass.n_docs
+        assert sharded.mean_doc_len == one_pass.mean_doc_len
+
+
 def test_the_same_checkpoint_on_another_corpus_gives_the_impacts_its_statistics_imply(two_corpora):
     checkpoint, target_dir = two_corpora["checkpoint"], two_corpora["target"]
     adaptation = corpus_adaptation(target_dir, checkpoint)

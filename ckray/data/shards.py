@@ -187,11 +187,16 @@ def read_corpus_dataset(workdir: str | os.PathLike, **kwargs):
 def iter_doc_texts(workdir: str | os.PathLike, batch_rows: int = 4096) -> Iterator[str]:
     """Every document's ``doc_text(title, text)``, in corpus order (shard by shard, row by row), streamed
     in Arrow batches of ``batch_rows``: memory does not grow with the corpus."""
+    for path in shard_paths(workdir):
+        yield from shard_doc_texts(path, batch_rows)
+
+
+def shard_doc_texts(path: str | os.PathLike, batch_rows: int = 4096) -> Iterator[str]:
+    """The ``doc_text(title, text)`` of one corpus shard's documents, in its order, a batch at a time."""
     from ckray.data.collections import doc_text
 
-    for path in shard_paths(workdir):
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["title", "text"]):
-            yield from (doc_text(t, x) for t, x in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()))
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=["title", "text"]):
+        yield from (doc_text(t, x) for t, x in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()))
 
 
 def load_corpus_table(workdir: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:

@@ -224,8 +224,7 @@ def cached_corpus_statistics(workdir: str | os.PathLike, config: Any):
     for the corpus manifest and tokenisation it was computed for."""
     import torch
 
-    from ckray.rankers.ck_qti.model import CorpusStats, corpus_statistics
-    from ckray.data.shards import iter_doc_texts
+    from ckray.rankers.ck_qti.model import CorpusStats
 
     key = json.dumps({"corpus_sha256": read_manifest(workdir).get("input_sha256"), "encoder": config.encoder,
                       "vocab_size": config.vocab_size, "max_doc_len": config.max_doc_len}, sort_keys=True)
@@ -235,12 +234,44 @@ def cached_corpus_statistics(workdir: str | os.PathLike, config: Any):
             if str(saved["key"]) == key:
                 return CorpusStats(torch.from_numpy(saved["doc_freq"]), int(saved["n_docs"]),
                                    float(saved["mean_doc_len"]))
-    stats = corpus_statistics(iter_doc_texts(workdir), config)
+    stats = sharded_corpus_statistics(workdir, config)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
     np.savez(tmp, key=key, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs, mean_doc_len=stats.mean_doc_len)
     os.replace(tmp, path)
     return stats
+
+
+def sharded_corpus_statistics(workdir: str | os.PathLike, config: Any):
+    """``corpus_statistics`` of ``workdir``'s corpus with one Ray task per corpus shard (each tokenises its
+    shard as the model does, ``count_pieces``), the counts summed as the tasks finish: the same statistics as one
+    pass in one process, spread over the cluster's CPUs; the driver holds one vocabulary-sized count at a time."""
+    import ray
+    import torch
+
+    from ckray.data.shards import shard_paths
+    from ckray.rankers.ck_qti.model import CorpusStats
+    from ckray.ray_env import init_ray
+
+    init_ray()
+    count = ray.remote(num_cpus=1)(_count_shard)
+    pending = [count.remote(str(p), config) for p in shard_paths(workdir)]
+    doc_freq, n_docs, n_pieces = np.zeros(config.vocab_size, np.int64), 0, 0
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        df, docs, pieces = ray.get(done[0])
+        doc_freq += df
+        n_docs += docs
+        n_pieces += pieces
+    return CorpusStats(torch.from_numpy(doc_freq), n_docs, n_pieces / max(n_docs, 1))
+
+
+def _count_shard(path: str, config: Any) -> tuple[np.ndarray, int, int]:
+    """Ray task of :func:`sharded_corpus_statistics`: one shard's counts."""
+    from ckray.data.shards import shard_doc_texts
+    from ckray.rankers.ck_qti.model import count_pieces
+
+    return count_pieces(shard_doc_texts(path), config)
 
 
 def has_corpus(workdir: str | os.PathLike) -> bool:

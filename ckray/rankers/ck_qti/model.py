@@ -360,6 +360,13 @@ class CorpusStats:
 
 def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> CorpusStats:
     """Document frequencies and mean length over ``texts``, tokenised (and truncated) as the model does."""
+    doc_freq, n_docs, n_pieces = count_pieces(texts, config, batch_size)
+    return CorpusStats(torch.from_numpy(doc_freq), n_docs, n_pieces / max(n_docs, 1))
+
+
+def count_pieces(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> tuple[np.ndarray, int, int]:
+    """(document frequency of each word piece, documents, word pieces) over ``texts``, tokenised as the model
+    does: counts that add up over parts of a corpus."""
     from ckray.models.encoders import load_tokenizer
 
     tok = load_tokenizer(config.encoder)
@@ -380,7 +387,7 @@ def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 
             flush()
     if batch:
         flush()
-    return CorpusStats(torch.from_numpy(df), n_docs, n_pieces / max(n_docs, 1))
+    return df, n_docs, n_pieces
 
 
 def explicit_training_statistics(queries: Sequence[str], docs: Sequence[str], config: CKConfig,

@@ -22,8 +22,8 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     """CK-QTI (or the full CK with ``qti=False``, the TK baseline with ``attention="quadratic"``): corpus
     statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>; the
     training data and loop from ``args`` (a training job's flags)."""
-    from ckray.data.shards import iter_doc_texts
-    from ckray.rankers.ck_qti.model import CKConfig, corpus_statistics, explicit_training_statistics, tk_config
+    from ckray.rankers.ck_qti.impact import cached_corpus_statistics
+    from ckray.rankers.ck_qti.model import CKConfig, explicit_training_statistics, tk_config
     from ckray.rankers.ck_qti.task import CKTask
     from ckray.train_job import run_training, training_config, training_data
 
@@ -33,7 +33,7 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     name = o.checkpoint_name
     train_config = training_config(args, name, **SPEC.training.defaults)  # every flag checked before any work
     td = training_data(args)  # prepares shards, BM25 and negatives when missing
-    stats = corpus_statistics(iter_doc_texts(args.workdir), config)  # streamed: the corpus is never held whole
+    stats = cached_corpus_statistics(args.workdir, config)  # a Ray task per shard; kept for the impact index
     sample = td.head(EXPLICIT_STATS_TRIPLES).to_pydict()  # the first triples of the seeded shuffle
     mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config)
     log.info("explicit match starts as BM25(k1=%.2f, b=%.2f) under E[TF]=%.2f, E[|d|]=%.0f (avgdl %.0f)",
