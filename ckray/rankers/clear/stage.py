@@ -46,7 +46,8 @@ def build_index(args: argparse.Namespace) -> dict:
                         resources_per_actor=args.resources_per_actor)
     embed.validate()  # the flags are checked before Ray starts
     init_ray()
-    _, summary = build_dense_index(args.workdir, checkpoint, embed, IndexConfig(kind=args.index))
+    # the built index is dropped here: tuning loads it from W/dense/index, as evaluation and Serve do (one copy)
+    summary = build_dense_index(args.workdir, checkpoint, embed, IndexConfig(kind=args.index))[1]
     summary = dict(summary, **{"lambda": None})
     queries, qrels = read_queries_and_qrels(Path(args.data))
     if args.tune_split in qrels:
