@@ -146,8 +146,14 @@ def validate_checks(config: Any, checks: Iterable[tuple[bool, str]]) -> None:
 def map_on_actors(ds: Any, actor: type, constructor_kwargs: Mapping[str, Any], pool: ActorPoolConfig) -> Any:
     """``ds.map_batches(actor, ...)`` on an actor pool of ``pool.actors`` (numpy batches in); iterate the
     result within :func:`ckray_errors_surfaced`."""
+    import ray
     import ray.data
 
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if pool.actors * pool.cpus_per_actor >= cpus:
+        log.warning("the actor pool takes %g of the cluster's %g CPUs, which leaves Ray Data's read tasks none: the "
+                    "job waits until a node is added. Use fewer actors or CPUs per actor (--actors, --cpus-per-actor) "
+                    "unless the cluster autoscales", pool.actors * pool.cpus_per_actor, cpus)
     remote: dict[str, Any] = {"num_cpus": pool.cpus_per_actor, "max_restarts": pool.max_restarts,
                               "max_task_retries": pool.max_task_retries}
     if pool.use_gpu:

@@ -242,3 +242,19 @@ def test_batch_reranking_scores_each_pair_once_after_a_lost_actor(tmp_path, ray_
     for q in local:
         assert sorted(d for d, _ in out["run"][q]) == sorted(docs)   # every pair once, none lost
         assert dict(out["run"][q]) == pytest.approx(dict(local[q]), abs=1e-5)
+
+
+def test_an_actor_pool_that_takes_every_cpu_is_warned_about(ray_session, caplog):
+    """Ray Data's read tasks need a CPU beside the pool's; without one the job waits forever."""
+    import logging
+
+    import ray.data
+
+    from ckray.batch_inference import map_on_actors
+
+    cpus = ray_session.cluster_resources()["CPU"]
+    with caplog.at_level(logging.WARNING, logger="ckray"):
+        map_on_actors(ray.data.range(4), _lengths_actor(), {}, ActorPoolConfig(actors=1, cpus_per_actor=cpus - 1))
+        assert not [r for r in caplog.records if "takes" in r.getMessage()]
+        map_on_actors(ray.data.range(4), _lengths_actor(), {}, ActorPoolConfig(actors=2, cpus_per_actor=cpus / 2))
+    assert [r.getMessage() for r in caplog.records if "leaves Ray Data's read tasks none" in r.getMessage()]
