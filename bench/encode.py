@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=32, help="documents per forward pass")
     p.add_argument("--ray-batch", type=int, default=128, help="rows per Ray Data batch (sorted by length inside)")
     p.add_argument("--actors", default="1,2")
+    p.add_argument("--cpus-per-actor", type=int, default=None,
+                   help="torch threads per actor (default: --cpus divided among the actors); with 1, the actors "
+                        "are the only parallelism and the figures show how throughput grows with them")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat [sentence-transformers, Ray jobs] this often (a shared machine's load drifts)")
     args = p.parse_args(argv)
@@ -131,8 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
         st_model.max_seq_length = 256
         reference = st_model.encode(texts[:64], batch_size=args.batch_size, convert_to_numpy=True)
 
-        # Logical CPUs: the actors' threads plus one for the Parquet read tasks.
-        ray.init(address="local", num_cpus=args.cpus + 1, include_dashboard=False, log_to_driver=False,
+        # Logical CPUs: the actors' threads plus one for the Parquet read tasks (an actor pool that holds every
+        # CPU leaves Ray Data's read tasks none, and the job waits forever).
+        threads = {n: args.cpus_per_actor or max(1, args.cpus // n) for n in actors}
+        ray.init(address="local", num_cpus=max(args.cpus, *(n * t for n, t in threads.items())) + 1, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}})
         try:
             for r in range(args.rounds):
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[round {r + 1}] sentence-transformers: {st_runs[-1][0]:.2f} docs/s", file=sys.stderr)
                 for n in actors:
                     out = tmp / f"emb-{n}-{r}"
-                    cfg = EmbedConfig(actors=n, cpus_per_actor=max(1, args.cpus // n), batch_size=args.ray_batch,
+                    cfg = EmbedConfig(actors=n, cpus_per_actor=threads[n], batch_size=args.ray_batch,
                                       encode_batch_size=args.batch_size)
                     summary = embed_corpus(tmp, ckpt, cfg, out_dir=out, progress=False)
                     ray_runs[n].append(summary)
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     st_cpu = float(np.mean([c for _, c in st_runs]))
     result = {"bench": "encode", "docs": len(docs), "model": "sentence-transformers/all-MiniLM-L6-v2",
               "max_len": 256, "batch_size": args.batch_size, "ray_batch": args.ray_batch, "torch_threads": args.cpus,
+              "threads_per_actor": {str(n): t for n, t in threads.items()},
               "rounds": args.rounds, "load_avg_1m": round(os.getloadavg()[0], 1),
               "st_docs_per_s": round(st, 2), "st_runs_docs_per_s": [round(w, 2) for w, _ in st_runs],
               "st_cpu_ms_per_doc": round(1000 * st_cpu, 1)}
