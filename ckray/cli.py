@@ -28,10 +28,11 @@ def setup_logging(level: str = "INFO") -> None:
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """``--help`` of every job: the description (the job's docstring) as written, and each option's
     default after its help, except a default of None (a required flag, or one whose real default the
-    help text itself gives, e.g. a training flag whose default depends on the model)."""
+    help text itself gives, e.g. a training flag whose default depends on the model) and a help that
+    says its default itself ("(default: none)")."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        if action.default is None or "(default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
