@@ -401,8 +401,7 @@ class ShardGroups:
         if name not in self.open:
             if name not in self.paths:
                 raise KeyError(name)
-            ids = pq.read_table(self.paths[name], columns=["doc_id"]).column(0).to_pylist()
-            self.open[name] = KeyedRows(ids, name)
+            self.open[name] = self._rows_of(name)
             self.max_open = max(self.max_open, len(self.open))
         return self.open[name]
 
@@ -412,8 +411,11 @@ class ShardGroups:
 
     def unfinished(self) -> list[KeyedRows]:
         """Every shard not written: the open ones, and those no row of which came back."""
-        return [self.open.get(n) or KeyedRows(pq.read_table(p, columns=["doc_id"]).column(0).to_pylist(), n)
-                for n, p in self.paths.items() if n not in self.written]
+        return [self.open.get(n) or self._rows_of(n) for n in self.paths if n not in self.written]
+
+    def _rows_of(self, name: str) -> KeyedRows:
+        """An empty group expecting the ids of shard ``name``, in its order."""
+        return KeyedRows(pq.read_table(self.paths[name], columns=["doc_id"]).column(0).to_pylist(), name)
 
 
 def _collect(job: ShardJob, ds: Any, shards: ShardGroups, summary: dict, bar: Any) -> None:

@@ -247,7 +247,6 @@ def sharded_corpus_statistics(workdir: str | os.PathLike, config: Any):
     shard as the model does, ``count_pieces``), the counts summed as the tasks finish: the same statistics as one
     pass in one process, spread over the cluster's CPUs; the driver holds one vocabulary-sized count at a time."""
     import ray
-    import torch
 
     from ckray.data.shards import shard_paths
     from ckray.rankers.ck_qti.model import CorpusStats
@@ -263,7 +262,7 @@ def sharded_corpus_statistics(workdir: str | os.PathLike, config: Any):
         doc_freq += df
         n_docs += docs
         n_pieces += pieces
-    return CorpusStats(torch.from_numpy(doc_freq), n_docs, n_pieces / max(n_docs, 1))
+    return CorpusStats.of_counts(doc_freq, n_docs, n_pieces)
 
 
 def _count_shard(path: str, config: Any) -> tuple[np.ndarray, int, int]:

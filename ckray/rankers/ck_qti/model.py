@@ -357,11 +357,15 @@ class CorpusStats:
     n_docs: int
     mean_doc_len: float
 
+    @classmethod
+    def of_counts(cls, doc_freq: np.ndarray, n_docs: int, n_pieces: int) -> "CorpusStats":
+        """From :func:`count_pieces`' counts (of a whole corpus, or summed over its parts)."""
+        return cls(torch.from_numpy(doc_freq), n_docs, n_pieces / max(n_docs, 1))
+
 
 def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> CorpusStats:
     """Document frequencies and mean length over ``texts``, tokenised (and truncated) as the model does."""
-    doc_freq, n_docs, n_pieces = count_pieces(texts, config, batch_size)
-    return CorpusStats(torch.from_numpy(doc_freq), n_docs, n_pieces / max(n_docs, 1))
+    return CorpusStats.of_counts(*count_pieces(texts, config, batch_size))
 
 
 def count_pieces(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> tuple[np.ndarray, int, int]:

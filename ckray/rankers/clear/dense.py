@@ -379,19 +379,20 @@ class DenseIndex:
         dim = pq.read_schema(shards[0]).field("embedding").type.list_size
         starts = np.cumsum([0] + [pq.read_metadata(p).num_rows for p in shards])
 
+        def vectors(path: Path) -> np.ndarray:
+            return embedding_matrix(pq.read_table(path, columns=["embedding"]).column(0))
+
         def sample(rows: np.ndarray) -> np.ndarray:
             """The vectors of global ``rows``, in that order: each shard read once, only its rows kept."""
             out = np.empty((len(rows), dim), np.float32)
             for i, p in enumerate(shards):
                 mine = np.flatnonzero((rows >= starts[i]) & (rows < starts[i + 1]))
                 if len(mine):
-                    x = embedding_matrix(pq.read_table(p, columns=["embedding"]).column(0))
-                    out[mine] = x[rows[mine] - starts[i]]
+                    out[mine] = vectors(p)[rows[mine] - starts[i]]
             return out
 
         def batches() -> Iterator[np.ndarray]:
-            for p in shards:
-                yield embedding_matrix(pq.read_table(p, columns=["embedding"]).column(0))
+            return map(vectors, shards)
 
         return cls._assemble(ids, dim, sample, batches, config, {**(meta or {}), "embeddings": str(directory)})
 
