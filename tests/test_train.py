@@ -258,6 +258,30 @@ def test_finished_run_with_other_model_settings_names_the_checkpoint(trained):
 
 
 @pytest.mark.slow
+def test_weight_ensemble_saves_the_mix_of_the_initial_and_the_chosen_weights(trained):
+    """WiSE-FT (Eq. 1): a finished run consolidated again with α = 0.25 holds 0.75 · the seeded
+    initial model + 0.25 · the chosen step, and records α; the fine-tuned checkpoint is untouched."""
+    tmp, second = trained["tmp"], trained["second"]
+    wise = fit(ToyTask(), trained["triples"], trained["dev"],
+               _config(tmp, max_steps=2 * STEPS, weight_ensemble=0.25, output_dir=str(tmp / "wise")))
+    assert wise.start_step == wise.steps == 2 * STEPS      # nothing trained again
+    tuned = load_model(second.best_checkpoint).state_dict()
+    torch.manual_seed(7)                                    # _config's seed: the run's step-0 model
+    start = ToyTask().build_model().state_dict()
+    mixed = load_model(tmp / "wise").state_dict()
+    assert not torch.allclose(start["emb.weight"], tuned["emb.weight"])
+    for name in tuned:
+        assert torch.allclose(mixed[name], 0.75 * start[name] + 0.25 * tuned[name], atol=1e-6), name
+    meta = json.loads((tmp / "wise" / "config.json").read_text())
+    assert meta["weight_ensemble"]["alpha"] == 0.25
+    assert meta["weight_ensemble"][f"fine_tuned_{METRIC}"] == pytest.approx(second.best_metric)
+    # the mix is validated on dev like every step was: the figure its checkpoint records is its own
+    assert meta[METRIC] == meta["weight_ensemble"][METRIC] == pytest.approx(
+        rerank_ndcg(load_model(tmp / "wise"), trained["dev"]), abs=1e-9)
+    assert meta[METRIC] != pytest.approx(second.best_metric, abs=1e-6)
+
+
+@pytest.mark.slow
 def test_init_from_starts_a_new_run_at_the_saved_weights(trained, tmp_path, caplog):
     first = trained["first"]
     # a learning rate 1,000× too high: the 5 steps wreck the saved model, which must then be named
@@ -368,7 +392,7 @@ def test_flags_map_onto_train_config():
     assert d == TrainConfig()
 
 
-@pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(precision="fp16"), dict(workers=0),
+@pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(precision="fp16"), dict(workers=0), dict(weight_ensemble=1.5),
                                  dict(max_steps=0), dict(grad_accum=0)])
 def test_invalid_config_is_refused(bad):
     with pytest.raises(ConfigError, match="TrainConfig"):

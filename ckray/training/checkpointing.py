@@ -14,7 +14,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -125,8 +125,14 @@ def _check_compatible(state: dict, config: TrainConfig, world: int, where: str) 
 
 
 def consolidate(task: RankerTask, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                extra: dict | None = None) -> Path:
-    """Turn one training checkpoint (DeepSpeed state) into plain fp32 weights with ``save_model``."""
+                extra: dict | None = None, weight_ensemble: float = 1.0, seed: int = 42,
+                dev_metric: Callable[[torch.nn.Module], float] | None = None) -> Path:
+    """Turn one training checkpoint (DeepSpeed state) into plain fp32 weights with ``save_model``.
+
+    ``weight_ensemble`` < 1 saves WiSE-FT's mix (``ckray.models.weight_ensemble``, Eq. 1) of these
+    weights with the model's own initialisation, rebuilt with the run's ``seed`` (the weights the run
+    started from, before any ``--init-from``); ``config.json`` records α, the chosen step's dev metric
+    and, with ``dev_metric``, the mixed model's own (which becomes the checkpoint's ``METRIC``)."""
     from ckray.models.checkpoint import save_model
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -144,8 +150,19 @@ def consolidate(task: RankerTask, checkpoint_dir: str | os.PathLike, output_dir:
         raise ConfigError(f"checkpoint {checkpoint_dir} does not match {type(model).__name__}: "
                           f"missing {missing[:5]}, unexpected {unexpected[:5]}; {hint}")
     model.float().eval()
-    return save_model(model, output_dir,
-                      extra={METRIC: state["metric"], "step": state["step"], **(extra or {})})
+    extra = {METRIC: state["metric"], "step": state["step"], **(extra or {})}
+    if weight_ensemble != 1.0:
+        from ckray.models.weight_ensemble import ensemble_with_start
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            start = task.build_model().float()
+        ensemble_with_start(model, start, weight_ensemble)
+        extra["weight_ensemble"] = {"alpha": weight_ensemble, "start": f"the model's initialisation (seed {seed})",
+                                    f"fine_tuned_{METRIC}": state["metric"]}
+        if dev_metric is not None:
+            extra[METRIC] = extra["weight_ensemble"][METRIC] = dev_metric(model)
+    return save_model(model, output_dir, extra=extra)
 
 
 def _checkpoint_weights(checkpoint_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:

@@ -54,6 +54,9 @@ class TrainConfig:
     init_from: str = option("", "start from this saved checkpoint's weights (a W/checkpoints/<name> directory of "
                                 "the same model) to fine-tune it further (default: the model's own initialisation)",
                             metavar="CKPT")
+    weight_ensemble: float = option(1.0, "WiSE-FT's α: save (1 − α) · the initial weights + α · the step chosen on dev "
+                                         "(1: the fine-tuned weights alone; 0.5: the paper's robust mix for "
+                                         "collections the model never saw)", metavar="ALPHA")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +81,7 @@ class TrainConfig:
             ("log_every", self.log_every >= 1, "must be >= 1"),
             ("keep_checkpoints", self.keep_checkpoints >= 1, "must be >= 1"),
             ("eval_batch_size", self.eval_batch_size >= 1, "must be >= 1"),
+            ("weight_ensemble", 0.0 <= self.weight_ensemble <= 1.0, "must be in [0, 1] (1: the fine-tuned weights)"),
             ("shuffle_buffer", self.shuffle_buffer >= 0, "must be >= 0 (0: no shuffle)"),
             ("cpus_per_worker", self.cpus_per_worker >= 1, "must be >= 1"),
             ("resources_per_worker",

@@ -27,13 +27,15 @@
   ``resume=False`` deletes the run directory first.
 * At the end the best checkpoint is consolidated to plain weights in ``output_dir`` with
   :func:`ckray.models.checkpoint.save_model` (``config.json`` + ``model.safetensors``), with the
-  dev nDCG@10 and step in ``config.json``.
+  dev nDCG@10 and step in ``config.json``; ``weight_ensemble`` < 1 saves WiSE-FT's mix of those
+  weights with the initial ones instead (``ckray.models.weight_ensemble``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -128,7 +130,11 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
         latest = verify_checkpoint(latest_dir)
     with best.as_directory() as best_dir:
         best_state = verify_checkpoint(best_dir)
-        consolidate(task, best_dir, output_dir, extra={"task": task.name, "train_run": run_dir})
+        mixed_dev = None  # WiSE-FT's mix is validated on the driver, as the workers validated the steps
+        if config.weight_ensemble != 1.0:
+            mixed_dev = _DevEvaluator(task, dev, 0, 1, config.eval_batch_size, pad=False)
+        consolidate(task, best_dir, output_dir, extra={"task": task.name, "train_run": run_dir},
+                    weight_ensemble=config.weight_ensemble, seed=config.seed, dev_metric=mixed_dev)
 
     attempts = _attempt_starts(run_dir, fit_id)
     step = int(latest["step"])
@@ -148,6 +154,10 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
     print(f"[ckray.train {task.name}] done: {summary.steps} steps, best {METRIC} "
           f"{summary.best_metric:.4f} at step {summary.best_step} -> {output_dir} "
           f"({summary.wall_time:.0f} s)", flush=True)
+    if config.weight_ensemble != 1.0:
+        mixed = json.loads((output_dir / "config.json").read_text())["weight_ensemble"]
+        print(f"[ckray.train {task.name}] saved WiSE-FT's mix, α = {config.weight_ensemble}: dev {METRIC} "
+              f"{mixed[METRIC]:.4f} (the fine-tuned step alone {summary.best_metric:.4f})", flush=True)
     start = next((h[METRIC] for h in summary.history if h.get("step") == 0 and METRIC in h), None)
     if start is not None and start > summary.best_metric:
         where = f"the --init-from checkpoint {config.init_from}" if config.init_from else "the untrained model"
