@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 from ckray.cli import base_parser, run_job  # noqa: E402
 
 IMPACT_FLAGS = ("top_k", "explicit_weight")   # of the CK-QTI impact index job's options, passed on
+DENSE_FLAGS = ("doc_max_len",)                 # of the CLEAR dense index job's options, passed on
 
 
 def main(args) -> None:
@@ -27,7 +28,8 @@ def main(args) -> None:
     from ckray.options import options_from_args
 
     from_workdir = str(Path(args.from_workdir) / "checkpoints") if args.from_workdir else None
-    index_options = {"ck-qti": {k: getattr(args, k) for k in IMPACT_FLAGS if getattr(args, k) is not None}}
+    index_options = {"ck-qti": {k: getattr(args, k) for k in IMPACT_FLAGS if getattr(args, k) is not None},
+                     "clear": {k: getattr(args, k) for k in DENSE_FLAGS if getattr(args, k) is not None}}
     c = options_from_args(BenchmarkConfig, args, checkpoints=from_workdir,   # --checkpoints wins
                           index_options=index_options)
     table = run_benchmark(c)
@@ -39,11 +41,13 @@ def parser():
     from ckray.benchmark import BenchmarkConfig
     from ckray.options import add_options
     from ckray.rankers.ck_qti.options import ImpactIndexOptions
+    from ckray.rankers.clear.options import DenseIndexOptions
 
     p = add_options(base_parser(__doc__, data=False, workdir=False), BenchmarkConfig)
     p.add_argument("--from-workdir", default=None, metavar="W",
                    help="the training work directory: its W/checkpoints (instead of --checkpoints)")
-    return add_options(p, ImpactIndexOptions, "CK-QTI impact index", only=IMPACT_FLAGS)
+    add_options(p, ImpactIndexOptions, "CK-QTI impact index", only=IMPACT_FLAGS)
+    return add_options(p, DenseIndexOptions, "CLEAR dense index", only=DENSE_FLAGS)
 
 
 if __name__ == "__main__":

@@ -146,17 +146,21 @@ def test_every_index_job_flag_is_a_field_of_its_options_or_the_actor_pools(ranke
     assert sorted(flags) == sorted(declared) and len(set(declared)) == len(declared)
 
 
-def test_the_benchmark_jobs_flags_are_its_configs_fields_and_two_of_the_impact_indexs(tmp_path):
+def test_the_benchmark_jobs_flags_are_its_configs_fields_and_those_of_the_indexes_it_passes_on(tmp_path):
     from ckray.benchmark import BenchmarkConfig
     from ckray.rankers.ck_qti.options import ImpactIndexOptions
+    from ckray.rankers.clear.options import DenseIndexOptions
 
     job = _load_job("benchmark")
     p = job.parser()
-    impact = flags_of(ImpactIndexOptions)
+    impact, dense = flags_of(ImpactIndexOptions), flags_of(DenseIndexOptions)
     own = set(flags_of(BenchmarkConfig).values()) - {"--data"}   # --data: in COMMON
-    assert sorted(_job_flags(p)) == sorted([*own, "--from-workdir", *(impact[name] for name in job.IMPACT_FLAGS)])
-    args = p.parse_args(["--data", str(tmp_path), "--data", str(tmp_path), "--from-workdir", "T", "--top-k", "64"])
+    assert sorted(_job_flags(p)) == sorted([*own, "--from-workdir", *(impact[name] for name in job.IMPACT_FLAGS),
+                                            *(dense[name] for name in job.DENSE_FLAGS)])
+    args = p.parse_args(["--data", str(tmp_path), "--data", str(tmp_path), "--from-workdir", "T", "--top-k", "64",
+                         "--doc-max-len", "512"])
     c = options_from_args(BenchmarkConfig, args, checkpoints="T/checkpoints")
     assert (c.data, c.checkpoints, c.pipelines, args.top_k) == ([str(tmp_path)] * 2, "T/checkpoints", ["bm25"], 64)
+    assert args.doc_max_len == 512
     with pytest.raises(ConfigError, match=r"^--data must name at least one collection$"):
         options_from_args(BenchmarkConfig, p.parse_args([]), checkpoints="T")
