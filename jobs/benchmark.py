@@ -23,13 +23,17 @@ IMPACT_FLAGS = ("top_k", "explicit_weight")   # of the CK-QTI impact index job's
 DENSE_FLAGS = ("doc_max_len",)                 # of the CLEAR dense index job's options, passed on
 
 
+def _given(args, flags: tuple[str, ...]) -> dict:
+    """The index job options among ``flags`` that were given on the command line."""
+    return {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+
+
 def main(args) -> None:
     from ckray.benchmark import BenchmarkConfig, markdown_table, run_benchmark
     from ckray.options import options_from_args
 
     from_workdir = str(Path(args.from_workdir) / "checkpoints") if args.from_workdir else None
-    index_options = {"ck-qti": {k: getattr(args, k) for k in IMPACT_FLAGS if getattr(args, k) is not None},
-                     "clear": {k: getattr(args, k) for k in DENSE_FLAGS if getattr(args, k) is not None}}
+    index_options = {"ck-qti": _given(args, IMPACT_FLAGS), "clear": _given(args, DENSE_FLAGS)}
     c = options_from_args(BenchmarkConfig, args, checkpoints=from_workdir,   # --checkpoints wins
                           index_options=index_options)
     table = run_benchmark(c)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -155,7 +154,9 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
           f"{summary.best_metric:.4f} at step {summary.best_step} -> {output_dir} "
           f"({summary.wall_time:.0f} s)", flush=True)
     if config.weight_ensemble != 1.0:
-        mixed = json.loads((output_dir / "config.json").read_text())["weight_ensemble"]
+        from ckray.models.checkpoint import read_checkpoint_config
+
+        mixed = read_checkpoint_config(output_dir)["weight_ensemble"]
         print(f"[ckray.train {task.name}] saved WiSE-FT's mix, α = {config.weight_ensemble}: dev {METRIC} "
               f"{mixed[METRIC]:.4f} (the fine-tuned step alone {summary.best_metric:.4f})", flush=True)
     start = next((h[METRIC] for h in summary.history if h.get("step") == 0 and METRIC in h), None)
