@@ -1,4 +1,5 @@
-"""Training cost per pair of the cross-encoder rerankers on a CPU: fp32 vs bf16 autocast, side by side.
+"""Training cost per pair of the cross-encoder rerankers on a CPU: fp32 vs bf16 autocast, with and without
+frozen bottom encoder layers, side by side.
 
 One training step here is what ``ckray.training``'s loop does per micro-batch, without Ray and
 DeepSpeed: ``task.collate`` of ``--batch-size`` SciFact training triples (query, judged relevant,
@@ -17,7 +18,12 @@ disable autocast there). Also reported: the padding of the batches (real tokens 
 and, per model, how far bf16's step-0 loss and scores are from fp32's (the same weights, the same
 batch).
 
+``--frozen-layers 0,3,5`` times each precision with that many bottom encoder layers not trained
+(``ckray.models.encoders.freeze_bottom_layers``, the embedding layer counted as layer 0); ratios are
+over fp32 at the first value.
+
     python bench/rerank_train_speed.py --workdir W [--steps 3] [--rounds 2] [--batch-size 4] [--threads 2]
+        [--frozen-layers 0,3,5]
 
 Ends with one JSON line.
 """
@@ -40,6 +46,7 @@ from bench.rerank_warm_start import CEDR_SETTINGS, QDS_SETTINGS  # noqa: E402
 from ckray.data.collections import read_queries_and_qrels  # noqa: E402
 from ckray.data.docstore import DocStore  # noqa: E402
 from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
+from ckray.models.encoders import freeze_bottom_layers  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -119,6 +126,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4, help="triples per step (the runs of record: 4)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--frozen-layers", default="0",
+                    help="comma-separated: bottom encoder layers not trained (embeddings = 0), each timed in "
+                         "both precisions; the first is the base of the ratios")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -128,27 +138,36 @@ def main() -> None:
     rows = [{c: [t[i] for t in steps[s:s + args.batch_size]] for i, c in enumerate(("query", "pos_text", "neg_text"))}
             for s in range(0, len(steps), args.batch_size)]
     result: dict = {"bench": "rerank_train_speed", "batch_size": args.batch_size, "steps": args.steps,
+                    "frozen_layers": args.frozen_layers,
                     "rounds": args.rounds, "threads": args.threads,
                     "cpu_bf16": "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists()
                     else None, "models": {}}
+    frozen = [int(f) for f in args.frozen_layers.split(",")]
+    configs = [(p, f) for f in frozen for p in PRECISIONS]
     for name in filter(None, args.models.split(",")):
         task = make_task(name, probe)
         torch.manual_seed(0)
         model = task.build_model()
+        encoder = model.encoder if hasattr(model, "encoder") else model.bert
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         batches = [task.collate(r) for r in rows]
-        best = {p: {"wall": float("inf"), "cpu": float("inf")} for p in PRECISIONS}
+        best = {c: {"wall": float("inf"), "cpu": float("inf")} for c in configs}
         for _ in range(args.rounds):
-            for p in PRECISIONS:
+            for p, f in configs:
                 model.load_state_dict(initial)
+                model.requires_grad_(True)
+                freeze_bottom_layers(encoder, f)
                 wall, cpu = run_steps(task, model, batches, p)
-                best[p] = {"wall": min(best[p]["wall"], wall), "cpu": min(best[p]["cpu"], cpu)}
+                best[p, f] = {"wall": min(best[p, f]["wall"], wall), "cpu": min(best[p, f]["cpu"], cpu)}
         model.load_state_dict(initial)
+        model.requires_grad_(True)
         pairs = 2 * len(steps)
-        entry = {p: {"pairs_per_s": round(pairs / best[p]["wall"], 3),
-                     "pairs_per_cpu_s": round(pairs / best[p]["cpu"], 3)} for p in PRECISIONS}
-        entry["bf16_over_fp32_wall"] = round(best["fp32"]["wall"] / best["bf16"]["wall"], 3)
-        entry["bf16_over_fp32_cpu"] = round(best["fp32"]["cpu"] / best["bf16"]["cpu"], 3)
+        base = best["fp32", frozen[0]]
+        entry = {f"{p}/frozen{f}": {"pairs_per_s": round(pairs / b["wall"], 3),
+                                    "pairs_per_cpu_s": round(pairs / b["cpu"], 3),
+                                    "over_base_cpu": round(base["cpu"] / b["cpu"], 3),
+                                    "over_base_wall": round(base["wall"] / b["wall"], 3)}
+                 for (p, f), b in best.items()}
         entry["padding_efficiency"] = padding_efficiency(batches)
         entry.update(precision_gap(task, model, batches[0]))
         result["models"][name] = entry

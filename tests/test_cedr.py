@@ -314,3 +314,19 @@ def test_head_init_is_checked_and_the_vanilla_task_needs_warm_triples():
     assert torch.all(model.score_texts(QUERIES, DOCS) > model.score_texts(QUERIES, DOCS[::-1]))
     assert not CEDRTask(CEDRConfig(variant="knrm", random_init=TINY, max_length=32, max_query_len=8,
                                    head_init="warm")).needs_warm_triples
+
+
+def test_frozen_layers_leave_the_scores_and_drop_the_encoders_bottom_from_the_optimizer():
+    """``frozen_layers=1``: the embeddings get no gradient and no optimizer group; the similarity
+    tensor of every layer (embedding layer included) still reaches the head, so scores are unchanged."""
+    full, frozen = tiny("knrm", head_init="warm"), tiny("knrm", head_init="warm", frozen_layers=1)
+    frozen.load_state_dict(full.state_dict())
+    batch = full.tokenize_pairs(QUERIES, DOCS)
+    torch.testing.assert_close(frozen(batch), full(batch), atol=0, rtol=0)
+    frozen(batch).sum().backward()
+    assert all(p.grad is None for p in frozen.encoder.embeddings.parameters())
+    assert frozen.encoder.encoder.layer[0].attention.self.query.weight.grad is not None
+    grouped = {id(p) for g in frozen.param_groups() for p in g["params"]}
+    assert grouped == {id(p) for n, p in frozen.named_parameters() if not n.startswith("encoder.embeddings.")}
+    with pytest.raises(ValueError, match="frozen_layers must be >= 0"):
+        CEDRConfig(frozen_layers=-1)

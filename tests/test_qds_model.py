@@ -313,3 +313,38 @@ def test_pairwise_probe_recovers_a_separating_direction():
     assert torch.all((pos - neg) @ w > 0)
     assert torch.nn.functional.cosine_similarity(w, direction, dim=0) > 0.9
     torch.testing.assert_close(pairwise_probe(10 * pos, 10 * neg), w / 10)  # scale-free ridge
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen bottom layers: a cheaper training step, the same forward pass
+# ---------------------------------------------------------------------------------------------
+
+def test_frozen_layers_are_not_trained_and_the_rest_gets_the_same_gradients(model: QDSTransformer):
+    """``frozen_layers=2`` (embeddings + layer 0): no gradient and no optimizer group for them; the
+    scores and the gradients of the layers above are those of the fully trained model."""
+    batch = model.build_batch(QUERIES, DOCS)
+    models = {}
+    for n in (0, 2):
+        m = QDSTransformer(tiny(frozen_layers=n))
+        m.load_state_dict(model.state_dict())
+        m.eval()                                              # no dropout: comparable gradients
+        m(batch).sum().backward()
+        models[n] = m
+    full, frozen = models[0], models[2]
+    torch.testing.assert_close(frozen(batch), full(batch), atol=0, rtol=0)
+    assert all(p.grad is None for p in frozen.bert.embeddings.parameters())
+    assert all(p.grad is None for p in frozen.bert.encoder.layer[0].parameters())
+    top = ("bert.encoder.layer.1.", "score.")
+    for (name, p), q in zip(frozen.named_parameters(), full.parameters()):
+        if name.startswith(top):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
+    groups = QDSTask(model_config=tiny(frozen_layers=2)).param_groups(frozen, lr=2e-5, weight_decay=0.01)
+    grouped = {id(p) for g in groups for p in g["params"]}
+    assert grouped == {id(p) for n, p in frozen.named_parameters() if n.startswith(top)}
+
+
+def test_frozen_layers_beyond_the_encoder_or_negative_are_refused():
+    with pytest.raises(ValueError, match="frozen_layers=4: the encoder has 3 layers"):
+        QDSTransformer(tiny(frozen_layers=4))
+    with pytest.raises(ConfigError, match="frozen_layers"):
+        tiny(frozen_layers=-1)

@@ -45,6 +45,19 @@ def load_encoder(name_or_path: str | None = None, num_layers: int | None = None)
     return AutoModel.from_pretrained(path, config=config)
 
 
+def freeze_bottom_layers(encoder: PreTrainedModel, n: int) -> None:
+    """Stop training the bottom ``n`` layers of a BERT-style encoder, counting the embedding layer as
+    layer 0 (as CEDR counts its L+1 similarity channels): ``n = 1`` freezes the embeddings,
+    ``n = 1 + k`` also the first ``k`` transformer layers, ``0`` nothing. Their forward pass is
+    unchanged; what they no longer cost is their backward pass and their optimizer state."""
+    layers = encoder.encoder.layer
+    if not 0 <= n <= len(layers) + 1:
+        raise ValueError(f"frozen_layers={n}: the encoder has {len(layers) + 1} layers (embeddings + "
+                         f"{len(layers)} transformer layers)")
+    for part in ([encoder.embeddings] if n else []) + list(layers[: max(0, n - 1)]):
+        part.requires_grad_(False)
+
+
 def encoder_config(name_or_path: str | None = None, architecture: Mapping[str, Any] | None = None) -> PretrainedConfig:
     """The encoder's transformers config: rebuilt from a recorded ``architecture`` (what
     :func:`architecture_of` gave; ``model_type`` "bert" when absent) when one is given, else the

@@ -81,7 +81,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckray.models.encoders import DEFAULT_ENCODER, encoder_config, load_encoder, load_tokenizer
+from ckray.models.encoders import (DEFAULT_ENCODER, encoder_config, freeze_bottom_layers, load_encoder,
+                                   load_tokenizer)
 from ckray.models.kernels import RBFKernels, log_soft_tf
 from ckray.models.losses import pairwise_loss, pairwise_probe
 
@@ -120,6 +121,7 @@ class CEDRConfig:
     tokenizer: str | None = None           # defaults to ``encoder``
     random_init: dict | None = None        # BertConfig kwargs: a randomly initialised encoder (tests)
     head_init: str = "random"              # warm: heads start as a lexical matcher (module docstring) | random
+    frozen_layers: int = 0                 # bottom layers not trained, embeddings = layer 0 (freeze_bottom_layers)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -132,6 +134,8 @@ class CEDRConfig:
             raise ValueError("max_length must leave room for the query, 3 special tokens and a document token")
         if self.max_segments < 1:
             raise ValueError("max_segments must be at least 1")
+        if self.frozen_layers < 0:
+            raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers}")
 
 
 @dataclass
@@ -271,6 +275,7 @@ class CEDRRanker(nn.Module):
                     raise ValueError(f"num_layers={config.num_layers}: {config.encoder} has {available} layers")
                 self.encoder = load_encoder(config.encoder, num_layers=config.num_layers)
         self.encoder.pooler = None  # unused: CEDR reads the raw [CLS] vector
+        freeze_bottom_layers(self.encoder, config.frozen_layers)
         enc = self.encoder.config
         if config.max_length > enc.max_position_embeddings:
             raise ValueError(f"max_length {config.max_length} exceeds the encoder's "
@@ -484,9 +489,11 @@ class CEDRRanker(nn.Module):
         return self.forward(self.tokenize_pairs(queries, docs)).float().cpu()
 
     def param_groups(self, encoder_lr: float = 2e-5, head_lr: float = 1e-3) -> list[dict]:
-        """Optimizer groups: the encoder fine-tuned gently, the ranker head faster (Section 3.1)."""
-        enc = [p for n, p in self.named_parameters() if n.startswith("encoder.")]
-        head = [p for n, p in self.named_parameters() if not n.startswith("encoder.")]
+        """Optimizer groups: the encoder fine-tuned gently, the ranker head faster (Section 3.1); frozen
+        encoder layers (``frozen_layers``) are in neither."""
+        trained = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        enc = [p for n, p in trained if n.startswith("encoder.")]
+        head = [p for n, p in trained if not n.startswith("encoder.")]
         return [{"params": enc, "lr": encoder_lr}, {"params": head, "lr": head_lr}]
 
 

@@ -17,6 +17,8 @@ class CEDROptions:
     num_layers: int | None = option(None, "use only the first L encoder layers (default: all of them)")
     max_length: int = option(512, "tokens per (query, segment) input")
     max_segments: int = option(4, "segments per long document")
+    frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
+                                   "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
     head_init: str = option("warm", "how the ranker head starts: as a lexical matcher over the similarity matrices "
                                     "(warm; vanilla: fitted to the first training triples) or the paper's random "
                                     "initialisation (random)", choices=("warm", "random"))

@@ -50,7 +50,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, resolve_encoder
+from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, freeze_bottom_layers,
+                                   load_tokenizer, resolve_encoder)
 from ckray.models.losses import pairwise_loss, pairwise_probe
 from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 
@@ -76,6 +77,8 @@ class QDSConfig:
     block_size:       band block of the sparse attention (None: w // 2).
     num_layers:       keep only the first layers of the encoder (None: all).
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
+    frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
+                      (``ckray.models.encoders.freeze_bottom_layers``): less backward work per pair.
     head_init:        "warm" (the score head fitted by ``warm_start_head`` before training, module
                       docstring) or "random"; recorded so a checkpoint says how its training started.
     pretrained:       load pretrained encoder weights in ``__init__``. A constructed model records the
@@ -95,6 +98,7 @@ class QDSConfig:
     block_size: int | None = None
     num_layers: int | None = None
     gradient_checkpointing: bool = False
+    frozen_layers: int = 0
     head_init: str = "random"
     pretrained: bool = True
     bert_config: dict[str, Any] | None = field(default=None)
@@ -107,6 +111,8 @@ class QDSConfig:
             raise ConfigError(f"QDSConfig.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
         if self.window < 0:
             raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
+        if self.frozen_layers < 0:
+            raise ConfigError(f"QDSConfig.frozen_layers must be >= 0, got {self.frozen_layers}")
         if self.max_query_length < 1 or self.max_length < self.max_query_length + 4:
             raise ConfigError(f"QDSConfig.max_length={self.max_length} must leave room for "
                               f"max_query_length={self.max_query_length} + [CLS], [SEP], [SOS], [SEP]")
@@ -193,6 +199,7 @@ class QDSTransformer(nn.Module):
         config = config or QDSConfig()
         bert = self._build_encoder(config)
         _extend_positions(bert, config.max_length)
+        freeze_bottom_layers(bert, config.frozen_layers)
         self.bert = bert
         hidden = bert.config.hidden_size
         self.dropout = nn.Dropout(bert.config.hidden_dropout_prob)

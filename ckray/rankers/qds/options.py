@@ -17,6 +17,8 @@ class QDSOptions:
     max_length: int = option(2048, "tokens of [CLS] query [SEP] [SOS] sentences …")
     window: int = option(128, "local attention window w")
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
+    frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
+                                   "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
     head_init: str = option("warm", "how the [CLS] score head starts: fitted to the first training triples before "
                                     "step 0 (warm) or the paper's random initialisation (random)",
                             choices=("warm", "random"))
