@@ -160,7 +160,6 @@ def main() -> None:
                 wall, cpu = run_steps(task, model, batches, p)
                 best[p, f] = {"wall": min(best[p, f]["wall"], wall), "cpu": min(best[p, f]["cpu"], cpu)}
         model.load_state_dict(initial)
-        model.requires_grad_(True)
         pairs = 2 * len(steps)
         base = best["fp32", frozen[0]]
         entry = {f"{p}/frozen{f}": {"pairs_per_s": round(pairs / b["wall"], 3),
