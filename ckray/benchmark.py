@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ckray.errors import ConfigError, MissingArtifactError
+from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES
 from ckray.options import option
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class BenchmarkConfig:
     index_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float | None = option(None, "CLEAR's λ_test instead of the carried one", flag="--lambda")
     fusion_weight: float | None = option(None, "w of every first+reranker instead of the carried one")
+    weight_rule: str = option(DEFAULT_WEIGHT_RULE, "how w is chosen on the training collection's dev queries "
+                                                 "(jobs/evaluate.py --weight-rule)", choices=WEIGHT_RULES)
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -65,6 +68,8 @@ class BenchmarkConfig:
                                       "are: --checkpoints DIR or --from-workdir W")
         if not self.pipelines:
             raise ConfigError.invalid("BenchmarkConfig", "pipelines", "must name at least one pipeline")
+        if self.weight_rule not in WEIGHT_RULES:
+            raise ConfigError.invalid("BenchmarkConfig", "weight_rule", f"must be one of {WEIGHT_RULES}, got {self.weight_rule!r}")
         for name in ("k", "rerank_depth", "shards"):
             if getattr(self, name) < 1:
                 raise ConfigError.invalid("BenchmarkConfig", name, f"must be >= 1, got {getattr(self, name)}")
@@ -151,7 +156,8 @@ def benchmark_collection(config: BenchmarkConfig, data: str, workdir: Path) -> d
     link_checkpoints(config.checkpoints, workdir, list(needed_checkpoints(config.pipelines)))
     build_indexes(data, workdir, config.pipelines, config.index_options)
     return api.evaluate(config.pipelines, data, workdir, split=config.split, k=config.k,
-                        rerank_depth=config.rerank_depth, lam=config.lam, fusion_weight=config.fusion_weight)
+                        rerank_depth=config.rerank_depth, lam=config.lam, fusion_weight=config.fusion_weight,
+                        weight_rule=config.weight_rule)
 
 
 def run_benchmark(config: BenchmarkConfig) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 from ckray.data.collections import judged_queries, read_queries_and_qrels, write_trec_run
 from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
+from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES
 from ckray.options import option
 from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
@@ -35,6 +36,9 @@ class EvaluateConfig:
     fusion_weight: float | None = option(None, "w of every first+reranker (default: tuned on the dev training "
                                                "queries, or, on a collection without them, the one saved in the "
                                                "reranker checkpoint's deploy.json)")
+    weight_rule: str = option(DEFAULT_WEIGHT_RULE, "how w is chosen from the dev queries' grid: one-se (the largest "
+                                                 "w within one standard error of the best: leans on the first "
+                                                 "stage, which transfers) or best (the argmax)", choices=WEIGHT_RULES)
 
     def __post_init__(self) -> None:
         for name in ("k", "rerank_depth"):
@@ -42,6 +46,8 @@ class EvaluateConfig:
                 raise ConfigError.invalid("EvaluateConfig", name, f"must be >= 1, got {getattr(self, name)}")
         if not self.pipelines:
             raise ConfigError.invalid("EvaluateConfig", "pipelines", "must name at least one pipeline")
+        if self.weight_rule not in WEIGHT_RULES:
+            raise ConfigError.invalid("EvaluateConfig", "weight_rule", f"must be one of {WEIGHT_RULES}, got {self.weight_rule!r}")
 
 
 def run_path(workdir, pipeline: str, split: str) -> Path:
@@ -63,7 +69,7 @@ def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str) 
 
 
 def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
-                       train_split: str = "train"):
+                       train_split: str = "train", rule: str | None = None):
     """Tune w of a ``first+reranker`` pipeline on the dev split of the *training* queries (the ones the
     reranker validated on, never test queries) and save it to ``W/fusion`` (``ckray.fusion``)."""
     from ckray.fusion import dev_queries, save_interpolation, tune_weight
@@ -78,7 +84,8 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     pipe = build_pipeline(f"{first}>{reranker}", workdir, rerank_depth=rerank_depth)
     first_run = pipe.retriever.search(dev_q, k=rerank_depth)
     reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
-    config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth),
+    config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth,
+                                             rule=rule or DEFAULT_WEIGHT_RULE),
                                  **interpolation_stamps(workdir, first, reranker))
     save_interpolation(workdir, first, reranker, config)
     save_with_checkpoint(workdir, first, reranker, config)
@@ -92,7 +99,7 @@ def save_with_checkpoint(workdir: str, first: str, reranker: str, config) -> Non
     from ckray.pipelines import checkpoint_dir
 
     save_fusion_weight(checkpoint_dir(workdir, reranker), first, {
-        "weight": config.weight, "depth": config.depth,
+        "weight": config.weight, "depth": config.depth, "rule": config.rule,
         "tuned_on": {"workdir": str(Path(workdir).resolve()), "dev_queries": config.dev_queries}})
 
 
@@ -117,28 +124,31 @@ def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: i
         log.warning("%s+%s: w = %s was tuned at rerank depth %s, used here at %d", first, reranker,
                     carried["weight"], carried.get("depth"), rerank_depth)
     config = InterpolationConfig(weight=float(carried["weight"]), depth=rerank_depth,
-                                 table={}, source=source_of(checkpoint),
+                                 table={}, source=source_of(checkpoint), rule=carried.get("rule", "best"),
                                  **interpolation_stamps(workdir, first, reranker))
     save_interpolation(workdir, first, reranker, config)
     return config
 
 
 def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
-                         train_split: str = "train"):
+                         train_split: str = "train", rule: str | None = None):
     """The weight of a ``first+reranker`` pipeline: the saved one when it was tuned (or carried) at this
     depth for this checkpoint on this first-stage index; otherwise tuned again on the dev split of
     ``train_split`` (``tune_interpolation``) or, when the collection has no such split, the one saved
-    with the checkpoint (``carry_interpolation``)."""
+    with the checkpoint (``carry_interpolation``). ``rule``: how a tuned ``w`` is chosen
+    (``ckray.fusion.grid_search``; default ``DEFAULT_WEIGHT_RULE``); one chosen by another is tuned again."""
     from ckray.fusion import fusion_path, load_interpolation
     from ckray.pipelines import parse_pipeline
 
+    rule = rule or DEFAULT_WEIGHT_RULE
     first, reranker = parse_pipeline(pipeline)
     tuned = load_interpolation(workdir, first, reranker) if fusion_path(workdir, first, reranker).exists() else None
     stamps = interpolation_stamps(workdir, first, reranker)
-    if (tuned is None or tuned.depth != rerank_depth
+    if (tuned is None or tuned.depth != rerank_depth or tuned.source   # a carried w is read again: it may have been re-tuned
+            or (train_split in qrels and tuned.rule != rule)
             or any(getattr(tuned, field) != stamp for field, stamp in stamps.items())):
         if train_split in qrels:
-            tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split)
+            tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split, rule)
         else:
             tuned = carry_interpolation(workdir, first, reranker, rerank_depth)
     elif not tuned.source:  # tuned here before checkpoints carried their settings: saved with it now
@@ -157,7 +167,7 @@ def interpolation_setting(workdir: str, first: str, reranker: str, weight: float
     if weight is not None:
         return {"value": weight, "source": "flag"}
     tuned = load_interpolation(workdir, first, reranker)
-    return {"value": tuned.weight, "depth": tuned.depth,
+    return {"value": tuned.weight, "depth": tuned.depth, "rule": tuned.rule,
             "source": tuned.source or f"tuned on {tuned.dev_queries} dev queries of this collection's training split",
             "file": str(fusion_path(workdir, first, reranker))}
 
@@ -230,7 +240,7 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
             continue
         t0 = time.time()
         if is_interpolated(name) and config.fusion_weight is None:
-            ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth)
+            ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth, rule=config.weight_rule)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth,
                               retriever_options=first_stage_options(first, len(split_q), config.lam),
                               interpolation_weight=config.fusion_weight)
@@ -261,7 +271,8 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
     t0 = time.time()
     weight = config.fusion_weight
     if weight is None:
-        weight = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth).weight
+        weight = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth,
+                                      rule=config.weight_rule).weight
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth,
                           retriever_options=first_stage_options(first, len(split_q), config.lam))
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))

@@ -15,9 +15,10 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
       s(q, d) = z(s_rerank(q, d)) + w · z(s_first(q, d))
 
   where ``z`` standardises a query's scores (mean 0, standard deviation 1 over its top ``depth``), so
-  one weight fits first stages and rerankers whose score scales differ. ``w`` is chosen on the *dev*
-  queries — training queries held back from the reranker's training by the same stable hash
-  (``ckray.data.examples.is_dev_query``) — never on test queries, and saved to
+  one weight fits first stages and rerankers whose score scales differ. ``w`` is chosen (by the
+  one-standard-error rule below) on the *dev* queries — training queries held back from the
+  reranker's training by the same stable hash (``ckray.data.examples.is_dev_query``) — never on
+  test queries, and saved to
   ``W/fusion/<first>+<reranker>.json`` so evaluation and serving use the same weight. It is also
   saved with the reranker's checkpoint (``ckray.deploy``), and a collection with no training queries
   uses that one (``ckray.evaluation.ensure_interpolation``).
@@ -25,8 +26,18 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
 * **A linear combination of two scores per (query, document)** (:func:`linear_fusion`): CLEAR's
   Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.dense``).
 
-Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`: the grid
-value whose fused run has the best nDCG@10 on the judged queries, ties to the smaller value.
+Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`, by one of
+two rules:
+
+* ``"best"``: the grid value whose fused run has the best nDCG@10 on the judged queries, ties to the
+  smaller value (CLEAR's λ_test: Eq. 8's λ is part of the model the dense side was trained against).
+* ``"one-se"`` (``w``'s default): the one-standard-error rule (Breiman et al. 1984; Hastie, Tibshirani &
+  Friedman, *Elements of Statistical Learning*, §7.10): the *largest* grid value — the most weight on
+  the untrained first stage — whose nDCG@10 is within one standard error of the best's, the error
+  taken over the queries' paired differences ``nDCG_q(w) − nDCG_q(w_best)``. A hundred dev queries
+  cannot tell apart the weights on a flat curve's top, and the argmax among them is noise; of those
+  the rule keeps the one that leans most on the stage that needs no training, which is what carries
+  to a collection the reranker never saw.
 """
 
 from __future__ import annotations
@@ -146,17 +157,39 @@ def judged_queries(qrels: Mapping[str, Mapping[str, int]], among: Collection[str
     return judged
 
 
-def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, int]], grid: Sequence[float],
-                name: str = "weight") -> tuple[float, dict[float, float]]:
-    """The weight of ``grid`` whose run ``fused(weight)`` has the best nDCG@10 on ``qrels``, ties to the
-    smaller weight. Returns ``(best, {weight: nDCG@10})``, the table in ascending weight order."""
-    from ckray.eval import ndcg_at_10
+WEIGHT_RULES = ("best", "one-se")
+DEFAULT_WEIGHT_RULE = "one-se"   # w of first+reranker pipelines (module docstring)
 
-    table = {float(w): ndcg_at_10(fused(float(w)), qrels) for w in sorted(grid)}
+
+def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, int]], grid: Sequence[float],
+                name: str = "weight", rule: str = "best") -> tuple[float, dict[float, float]]:
+    """The weight of ``grid`` that ``rule`` (``"best"`` or ``"one-se"``, module docstring) chooses for
+    the runs ``fused(weight)`` on ``qrels``. Returns ``(chosen, {weight: nDCG@10})``, the table in
+    ascending weight order."""
+    from ckray.eval import per_query
+
+    if rule not in WEIGHT_RULES:
+        raise ConfigError(f"unknown rule for choosing {name}: {rule!r} (one of {', '.join(WEIGHT_RULES)})")
+    per_weight = {}
+    for w in sorted(float(x) for x in grid):
+        scores = per_query(fused(w), qrels, ("nDCG@10",))
+        per_weight[w] = [scores.get(q, {}).get("nDCG@10", 0.0) for q in qrels]
+    table = {w: sum(v) / len(v) for w, v in per_weight.items()}
     best = max(table, key=lambda w: (table[w], -w))
-    log.info("%s = %g (nDCG@10 %.4f on %d queries; %s = 0 gives %.4f)", name, best, table[best], len(qrels), name,
-             table.get(0.0, float("nan")))
-    return best, table
+    chosen = best if rule == "best" else max(
+        w for w in table if w >= best and _within_one_se(per_weight[w], per_weight[best]))
+    log.info("%s = %g by rule %r (nDCG@10 %.4f on %d queries; the best, %g, has %.4f; %s = 0 gives %.4f)",
+             name, chosen, rule, table[chosen], len(qrels), best, table[best], name, table.get(0.0, float("nan")))
+    return chosen, table
+
+
+def _within_one_se(scores: Sequence[float], best: Sequence[float]) -> bool:
+    """Is the mean of ``scores`` within one standard error of ``best``'s, paired by query?"""
+    diffs = [a - b for a, b in zip(scores, best)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else 0.0
+    return mean >= -se - 1e-12
 
 
 # ============================================================================ the interpolation weight of a pipeline
@@ -172,17 +205,18 @@ class InterpolationConfig:
     checkpoint_stamp: str = ""     # which reranker checkpoint it was tuned for (``ckray.models.checkpoint.checkpoint_digest``)
     first_stage_stamp: str = ""    # which first-stage index it was tuned on (``ckray.pipelines.first_stage_digest``)
     source: str = ""               # where a weight not tuned here came from (a checkpoint's deploy.json, ckray.deploy)
+    rule: str = "best"             # how it was chosen from ``table`` (grid_search); files from before the rule say nothing: "best"
 
 
 def tune_weight(first: Run, reranked: Run, qrels: Mapping[str, Mapping[str, int]], depth: int,
-                grid: Sequence[float] = DEFAULT_WEIGHT_GRID) -> InterpolationConfig:
-    """The ``w`` of ``grid`` with the best nDCG@10 over the judged queries (:func:`grid_search`)."""
+                grid: Sequence[float] = DEFAULT_WEIGHT_GRID, rule: str = DEFAULT_WEIGHT_RULE) -> InterpolationConfig:
+    """The ``w`` of ``grid`` that ``rule`` chooses over the judged queries (:func:`grid_search`)."""
     judged = judged_queries(qrels, first, "tune_weight")
     first = {q: first[q] for q in judged}
-    best, table = grid_search(lambda w: interpolate(first, reranked, depth, w), judged, grid,
-                              "interpolation weight w")
-    return InterpolationConfig(weight=best, depth=depth, dev_queries=len(judged),
-                               table={str(k): v for k, v in table.items()})
+    chosen, table = grid_search(lambda w: interpolate(first, reranked, depth, w), judged, grid,
+                                "interpolation weight w", rule)
+    return InterpolationConfig(weight=chosen, depth=depth, dev_queries=len(judged),
+                               table={str(k): v for k, v in table.items()}, rule=rule)
 
 
 def fusion_path(workdir: str | os.PathLike, first: str, reranker: str) -> Path:

@@ -1,5 +1,6 @@
 """Reranker + first-stage interpolation (ckray.fusion) and the ``first+reranker`` pipeline names."""
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import (FusedRetriever, InterpolationConfig, above_rest, grid_search, interpolate, judged_queries,
+from ckray.fusion import (DEFAULT_WEIGHT_RULE, FusedRetriever, InterpolationConfig, above_rest, grid_search, interpolate, judged_queries,
                           linear_fusion, load_interpolation, reciprocal_rank_fusion, save_interpolation, tune_weight)
 from ckray.pipelines import is_interpolated, parse_pipeline
 
@@ -97,6 +98,36 @@ def test_reciprocal_rank_fusion_and_the_fused_retriever():
         FusedRetriever([])
 
 
+def _ranks_as_run(ranks: dict[str, int]):
+    """A run that puts each query's relevant document "r" at the given rank (1 = first)."""
+    return {q: [(f"n{i}", 10.0 - i) for i in range(1, rank)] + [("r", 0.0)] for q, rank in ranks.items()}
+
+
+def test_the_one_se_rule_takes_the_largest_weight_within_one_paired_standard_error_of_the_best():
+    qrels = {f"q{i}": {"r": 1} for i in range(1, 7)}
+    ranks = {0.0: {"q1": 1, "q2": 1, "q3": 1, "q4": 1, "q5": 1, "q6": 2},  # the best (0.9385), tied with 1.0
+             1.0: {"q1": 2, "q2": 1, "q3": 1, "q4": 1, "q5": 1, "q6": 1},  # same mean: q1 loses what q6 gains
+             2.0: {"q1": 3, "q2": 3, "q3": 3, "q4": 1, "q5": 1, "q6": 1}}  # 0.188 worse, SE of that 0.150
+    fused = lambda w: _ranks_as_run(ranks[w])  # noqa: E731
+    best, table = grid_search(fused, qrels, [2.0, 0.0, 1.0], rule="best")
+    assert best == 0.0 and list(table) == [0.0, 1.0, 2.0]
+    assert table[0.0] == pytest.approx(table[1.0]) and table[2.0] < table[0.0] - 0.15
+    chosen, same_table = grid_search(fused, qrels, [2.0, 0.0, 1.0], rule="one-se")
+    assert chosen == 1.0 and same_table == table
+    # with 2.0 as good on q4–q6 but only a little worse on q1–q3, it is within one SE and taken
+    ranks[2.0] = {"q1": 2, "q2": 1, "q3": 1, "q4": 1, "q5": 1, "q6": 2}
+    assert grid_search(fused, qrels, [0.0, 1.0, 2.0], rule="one-se")[0] == 2.0
+    with pytest.raises(ConfigError, match="unknown rule for choosing w: 'median'"):
+        grid_search(fused, qrels, [0.0], name="w", rule="median")
+
+
+def test_tuned_weights_record_their_rule():
+    first = {"q": [("a", 3.0), ("b", 2.9), ("c", 0.0)]}
+    reranked = {"q": [("a", 0.0), ("b", 0.9), ("c", 1.0)]}
+    assert tune_weight(first, reranked, {"q": {"b": 1}}, depth=3, grid=[0.0, 1.0]).rule == DEFAULT_WEIGHT_RULE == "one-se"
+    assert tune_weight(first, reranked, {"q": {"b": 1}}, depth=3, grid=[0.0, 1.0], rule="best").rule == "best"
+
+
 def test_weights_are_saved_per_pipeline_and_a_missing_one_names_the_file(tmp_path):
     with pytest.raises(MissingArtifactError, match=r"fusion/bm25\+cedr-knrm\.json"):
         load_interpolation(tmp_path, "bm25", "cedr-knrm")
@@ -138,9 +169,9 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     bm25_meta.write_text(json.dumps({"shards": "first build"}))
     tunings = []
 
-    def tune(workdir, pipeline, queries, qrels, depth, train_split):  # the real one reranks the dev queries
+    def tune(workdir, pipeline, queries, qrels, depth, train_split, rule):  # the real one reranks the dev queries
         tunings.append(depth)
-        config = InterpolationConfig(weight=0.5, depth=depth,
+        config = InterpolationConfig(weight=0.5, depth=depth, rule=rule,
                                      **ckray.evaluation.interpolation_stamps(workdir, "bm25", "cedr-knrm"))
         save_interpolation(workdir, "bm25", "cedr-knrm", config)
         return config
@@ -161,6 +192,10 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     ensure(depth=50)
     assert tunings == [30, 30, 30, 50]           # another depth
     assert load_interpolation(tmp_path, "bm25", "cedr-knrm").depth == 50
+    stale = load_interpolation(tmp_path, "bm25", "cedr-knrm")
+    save_interpolation(tmp_path, "bm25", "cedr-knrm", dataclasses.replace(stale, rule="best"))
+    ensure(depth=50), ensure(depth=50)
+    assert tunings == [30, 30, 30, 50, 50]       # chosen by another rule: tuned again, once
 
 
 def test_without_training_queries_the_weight_saved_with_the_checkpoint_is_used_for_its_first_stage_only(tmp_path):
@@ -190,6 +225,10 @@ def test_without_training_queries_the_weight_saved_with_the_checkpoint_is_used_f
                                                                                             "source": "flag"}
     with pytest.raises(ConfigError, match=r"tuned for first stage\(s\) bm25, not for 'clear'"):
         ensure("clear+cedr-knrm")
+    # re-tuned where it was trained: the target reads the new weight, and says by which rule
+    save_fusion_weight(trained, "bm25", {"weight": 1.9, "depth": 30, "rule": "one-se", "tuned_on": {"dev_queries": 12}})
+    assert (ensure("bm25+cedr-knrm").weight, load_interpolation(target, "bm25", "cedr-knrm").rule) == (1.9, "one-se")
+    assert ckray.evaluation.interpolation_setting(str(target), "bm25", "cedr-knrm")["rule"] == "one-se"
     # a retrained checkpoint: the saved weight was another model's and is not used
     save_model(_TinyModel(_TinyConfig(dim=4)), trained)
     assert read_deploy(trained) == {}
@@ -222,3 +261,14 @@ def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(
         data=data, workdir=str(tmp_path / "w"), pipelines=names, split="test"))
     assert pairs == [("bm25", "ck-qti", ("ck-qti-rerank", "bm25+ck-qti"))]
     assert results == {"ck-qti-rerank": {"nDCG@10": 0.1}, "bm25+ck-qti": {"nDCG@10": 0.2}}
+
+
+def test_an_unknown_weight_rule_is_refused_before_any_work():
+    from ckray.benchmark import BenchmarkConfig
+    from ckray.evaluation import EvaluateConfig
+
+    assert EvaluateConfig(data="d", workdir="w").weight_rule == DEFAULT_WEIGHT_RULE
+    with pytest.raises(ConfigError, match="weight_rule.*'argmax'"):
+        EvaluateConfig(data="d", workdir="w", weight_rule="argmax")
+    with pytest.raises(ConfigError, match="weight_rule.*'argmax'"):
+        BenchmarkConfig(data=["d"], checkpoints="c", weight_rule="argmax")
