@@ -54,6 +54,26 @@ def truncated_copy(src_w: Path, dst_w: Path, k: int) -> None:
         write_impact_shard(out / shard.name, table, {**stamp, "top_k": k})  # atomic; marker with its max weight
 
 
+def index_metrics(wk: Path, checkpoint: Path, config, splits: dict, first: dict, store) -> dict:
+    """Index ``wk``'s impact shards with ``config`` and measure it on each split ``{name: (queries,
+    qrels)}``: index size, nDCG@10 / R@100 of ``ck-qti`` and nDCG@10 of ``bm25>ck-qti`` (``first[name]``,
+    BM25's top 100, reranked by stored impacts)."""
+    from ckray.eval import evaluate
+    from ckray.rankers.ck_qti.impact import ImpactRetriever, build_impact_index, impact_index_dir
+    from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
+
+    s = build_impact_index(wk, checkpoint, config)
+    retriever = ImpactRetriever(str(impact_index_dir(wk)))
+    reranker = ImpactReranker(str(checkpoint), str(wk), store.text, config=config)
+    row = {"index_mb": round(s["index_bytes"] / 2**20, 2)}
+    for name, (qs, judged) in splits.items():
+        full = evaluate(retriever.search(qs, k=1000), judged, ("nDCG@10", "R@100"))
+        rr = evaluate(reranker.rerank(qs, first[name], depth=100), judged, ("nDCG@10",))
+        row[f"{name}_ndcg10"], row[f"{name}_r100"] = round(full["nDCG@10"], 4), round(full["R@100"], 4)
+        row[f"{name}_rerank_ndcg10"] = round(rr["nDCG@10"], 4)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
@@ -74,10 +94,8 @@ def main() -> None:
         return
     from ckray.data.collections import read_queries_and_qrels
     from ckray.data.shards import DocStore
-    from ckray.eval import evaluate
     from ckray.fusion import dev_queries
-    from ckray.rankers.ck_qti.impact import ImpactConfig, ImpactRetriever, build_impact_index, impact_index_dir
-    from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
+    from ckray.rankers.ck_qti.impact import ImpactConfig, build_impact_index
     from ckray.lexical.bm25 import bm25_retriever
 
     checkpoint = Path(args.checkpoint or w / "checkpoints" / "ck-qti")
@@ -109,15 +127,7 @@ def main() -> None:
             if k != ks[-1]:
                 truncated_copy(top, wk, k)
             config = ImpactConfig(top_k=k, explicit_weight=beta, **candidates)
-            s = build_impact_index(wk, checkpoint, config)
-            retriever = ImpactRetriever(str(impact_index_dir(wk)))
-            reranker = ImpactReranker(str(checkpoint), str(wk), store.text, config=config)
-            row = {"explicit_weight": beta, "top_k": k, "index_mb": round(s["index_bytes"] / 2**20, 2)}
-            for name, (qs, judged) in splits.items():
-                full = evaluate(retriever.search(qs, k=1000), judged, ("nDCG@10", "R@100"))
-                rr = evaluate(reranker.rerank(qs, first[name], depth=100), judged, ("nDCG@10",))
-                row[f"{name}_ndcg10"], row[f"{name}_r100"] = round(full["nDCG@10"], 4), round(full["R@100"], 4)
-                row[f"{name}_rerank_ndcg10"] = round(rr["nDCG@10"], 4)
+            row = {"explicit_weight": beta, "top_k": k, **index_metrics(wk, checkpoint, config, splits, first, store)}
             rows.append(row)
             print(row, flush=True)
     best = max(rows, key=lambda r: r["dev_ndcg10"])

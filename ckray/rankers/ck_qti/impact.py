@@ -156,6 +156,8 @@ class ImpactConfig(ActorPoolConfig):
     top_k:                 terms kept per document (by w_td).
     explicit_weight:       β: the stored weight is s_td + β·s_explicit_td (module docstring); 0 = s_td.
     expansion_candidates:  M vocabulary terms added to a document's own terms as candidates.
+    expansion_ratio:       r: of the top_k kept, at most ⌈r·u_d⌉ are expansion terms (u_d: the document's
+                           distinct own terms), the best by weight (``cap_expansion``); None = no cap.
     candidate_pool:        "window" (cosine with window centroids, cheap) or "position" (best position).
     quant_max:             the largest weight in the corpus maps to this integer.
     scale:                 a fixed quantisation scale instead (e.g. to match another index); None = from quant_max.
@@ -166,6 +168,7 @@ class ImpactConfig(ActorPoolConfig):
     top_k: int = DEFAULT_TOP_K             # both chosen on SciFact's held-out training queries (module docstring)
     explicit_weight: float = DEFAULT_EXPLICIT_WEIGHT
     expansion_candidates: int = 256
+    expansion_ratio: float | None = None
     candidate_pool: str = "window"
     quant_max: int = 255
     scale: float | None = None
@@ -179,6 +182,8 @@ class ImpactConfig(ActorPoolConfig):
             (math.isfinite(self.explicit_weight) and self.explicit_weight >= 0,
              f"explicit_weight (--explicit-weight) must be a finite number >= 0, got {self.explicit_weight}"),
             (self.expansion_candidates >= 0, "expansion_candidates must be >= 0"),
+            (self.expansion_ratio is None or (math.isfinite(self.expansion_ratio) and self.expansion_ratio >= 0),
+             f"expansion_ratio (--expansion-ratio) must be a finite number >= 0, got {self.expansion_ratio}"),
             (self.candidate_pool in CANDIDATE_POOLS, f"candidate_pool must be one of {CANDIDATE_POOLS}"),
             (self.quant_max >= 1, "quant_max must be >= 1"),
             (self.scale is None or self.scale > 0, "scale must be > 0"),
@@ -192,7 +197,21 @@ class ImpactConfig(ActorPoolConfig):
                     "candidate_pool": self.candidate_pool}
         if self.explicit_weight:  # absent at 0, so shards built at 0 keep their stamps
             settings["explicit_weight"] = self.explicit_weight
+        if self.expansion_ratio is not None:  # absent without a cap, likewise
+            settings["expansion_ratio"] = self.expansion_ratio
         return settings
+
+
+def cap_expansion(terms: np.ndarray, weights: np.ndarray, own: np.ndarray,
+                  ratio: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """A weight-sorted impact vector with every term of ``own`` (the document's own word pieces) and
+    only the first ``⌈ratio·|own|⌉`` of the others (expansion terms); unchanged at ``ratio`` None.
+    A short document then gets few expansion terms, a long one as many as top-k leaves room for."""
+    if ratio is None:
+        return terms, weights
+    expansion = ~np.isin(terms, own)
+    keep = ~expansion | (np.cumsum(expansion) <= math.ceil(ratio * len(own)))
+    return terms[keep], weights[keep]
 
 
 def deployed_impact_settings(checkpoint: str | os.PathLike, top_k: int | None = None,
@@ -452,7 +471,7 @@ class TermImpactScorer:
 
     def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
         """Top-k (term id, w_td) of documents already encoded, w_td = s_td + β·s_explicit_td > 0,
-        descending (w_td = s_td at β = 0)."""
+        descending (w_td = s_td at β = 0), expansion terms capped by ``expansion_ratio``."""
         import torch
 
         ids, mask = self.candidates(doc)
@@ -462,10 +481,15 @@ class TermImpactScorer:
         k = min(self.config.top_k, ids.shape[1])
         top, idx = scores.topk(k, dim=1)
         top_ids = ids.gather(1, idx)
+        own = doc.unique_terms() if self.config.expansion_ratio is not None else [None] * B
         out = []
         for b in range(B):
             keep = top[b] > 0
-            out.append((top_ids[b][keep].to(torch.int32).cpu().numpy(), top[b][keep].cpu().numpy().astype(np.float32)))
+            terms = top_ids[b][keep].to(torch.int32).cpu().numpy()
+            weights = top[b][keep].cpu().numpy().astype(np.float32)
+            if own[b] is not None:
+                terms, weights = cap_expansion(terms, weights, own[b].cpu().numpy(), self.config.expansion_ratio)
+            out.append((terms, weights))
         return out
 
     def score_texts(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:

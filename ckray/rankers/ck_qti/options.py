@@ -52,6 +52,9 @@ class ImpactIndexOptions:
                                                  "--explicit-weights (default: the checkpoint's deploy.json, else "
                                                  f"{DEFAULT_EXPLICIT_WEIGHT})")
     expansion_candidates: int = option(256, "vocabulary terms added to a document's own terms as candidates")
+    expansion_ratio: float | None = option(None, "keep at most ⌈r·(the document's distinct terms)⌉ expansion terms "
+                                                 "among its top-k, so a short document gets few; choose r on held-out "
+                                                 "training queries with bench/impact_expansion.py (default: no cap)")
     candidate_pool: str = option("window", "how expansion candidates are chosen (window: cheap; position: GPU)",
                                  choices=("window", "position"))
     quant_max: int = option(255, "integer the largest weight maps to")

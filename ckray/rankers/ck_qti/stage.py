@@ -75,7 +75,7 @@ def build_index(args: argparse.Namespace) -> dict:
     _check_checkpoint(checkpoint)  # a clear error before any work
     top_k, explicit_weight, source = deployed_impact_settings(checkpoint, args.top_k, args.explicit_weight)
     config = ImpactConfig(top_k=top_k, explicit_weight=explicit_weight,
-                          expansion_candidates=args.expansion_candidates,
+                          expansion_candidates=args.expansion_candidates, expansion_ratio=args.expansion_ratio,
                           candidate_pool=args.candidate_pool, quant_max=args.quant_max, scale=args.scale,
                           actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
                           resources_per_actor=args.resources_per_actor,
