@@ -873,9 +873,10 @@ class ImpactRetriever:
 
     @property
     def settings(self) -> dict:
-        """The index's top-k and β and where they came from (what an evaluation records)."""
+        """The index's top-k, β (and expansion cap) and where they came from (what an evaluation records)."""
+        cap = {"expansion_ratio": self.meta["expansion_ratio"]} if "expansion_ratio" in self.meta else {}
         return {"impact": {"top_k": self.meta.get("top_k"), "explicit_weight": self.meta.get("explicit_weight", 0.0),
-                           "source": self.meta.get("settings_source", "flags or defaults of the index job")}}
+                           **cap, "source": self.meta.get("settings_source", "flags or defaults of the index job")}}
 
     def query_terms(self, queries: Sequence[str]) -> list[dict[str, int]]:
         """Each query's bag of word-piece terms: ``{"t<id>": count}`` (training's tokenisation)."""

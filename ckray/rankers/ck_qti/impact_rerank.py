@@ -141,8 +141,9 @@ class ImpactReranker:
         """The top-k and β of the impact vectors and where they came from (what an evaluation records)."""
         if self.shards:
             marker = read_json(marker_path(self.shards[0]))
+            cap = {"expansion_ratio": marker["expansion_ratio"]} if "expansion_ratio" in marker else {}
             return {"reranker_impact": {"top_k": marker.get("top_k"), "explicit_weight": marker.get("explicit_weight", 0.0),
-                                        "source": f"impact shards {impact_shards_dir(self.workdir)}"}}
+                                        **cap, "source": f"impact shards {impact_shards_dir(self.workdir)}"}}
         return {"reranker_impact": {"top_k": self.config.top_k, "explicit_weight": self.config.explicit_weight,
                                     "source": self.settings_source}}
 
