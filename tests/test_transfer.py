@@ -168,7 +168,7 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
     pipelines = ["bm25", "ck-qti", "clear", "bm25+ck-qti"]
     root = tmp_path / "bench"
     table = api.benchmark([train_data, target], trained, pipelines, workdir_root=root, shards=2, rerank_depth=10,
-                          index_options={"ck-qti": {"expansion_candidates": 16, "actors": 1}})
+                          index_options={"ck-qti": {"expansion_candidates": 16, "expansion_ratio": 1.0, "actors": 1}})
     assert table["collections"] == ["sample", "target"] and table["pipelines"] == list(table["rows"]) == pipelines
     for row in table["rows"].values():
         assert 0 <= row["target"] <= 1 and row["mean"] == pytest.approx((row["sample"] + row["target"]) / 2)
@@ -185,6 +185,7 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
     assert used["bm25+ck-qti"]["fusion_weight"]["value"] == w["weight"]
     assert used["bm25+ck-qti"]["fusion_weight"]["source"] == str(deploy_path((trained / "ck-qti").resolve()))
     assert table["settings"]["sample"]["clear"]["lambda"]["source"].startswith("tuned on")
+    assert used["ck-qti"]["impact"]["expansion_ratio"] == used["bm25+ck-qti"]["reranker_impact"]["expansion_ratio"] == 1.0
     # CK-QTI's index on the target: the target's IDF and mean length
     meta = read_index_meta(impact_index_dir(root / "target"))
     n_target = len((target / "corpus.jsonl").read_text().splitlines())
