@@ -202,6 +202,14 @@ class ImpactConfig(ActorPoolConfig):
         return settings
 
 
+def recorded_settings(record: Mapping[str, Any], source: str) -> dict:
+    """The top-k, β and expansion cap that an index's metadata or a shard's marker (``record``)
+    holds, with where they came from: what an evaluation records."""
+    cap = {"expansion_ratio": record["expansion_ratio"]} if "expansion_ratio" in record else {}
+    return {"top_k": record.get("top_k"), "explicit_weight": record.get("explicit_weight", 0.0), **cap,
+            "source": source}
+
+
 def cap_expansion(terms: np.ndarray, weights: np.ndarray, own: np.ndarray,
                   ratio: float | None) -> tuple[np.ndarray, np.ndarray]:
     """A weight-sorted impact vector with every term of ``own`` (the document's own word pieces) and
@@ -874,9 +882,8 @@ class ImpactRetriever:
     @property
     def settings(self) -> dict:
         """The index's top-k, β (and expansion cap) and where they came from (what an evaluation records)."""
-        cap = {"expansion_ratio": self.meta["expansion_ratio"]} if "expansion_ratio" in self.meta else {}
-        return {"impact": {"top_k": self.meta.get("top_k"), "explicit_weight": self.meta.get("explicit_weight", 0.0),
-                           **cap, "source": self.meta.get("settings_source", "flags or defaults of the index job")}}
+        return {"impact": recorded_settings(self.meta, self.meta.get("settings_source",
+                                                                     "flags or defaults of the index job"))}
 
     def query_terms(self, queries: Sequence[str]) -> list[dict[str, int]]:
         """Each query's bag of word-piece terms: ``{"t<id>": count}`` (training's tokenisation)."""

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from ckray.data.shards import marker_path, read_json
 from ckray.fusion import Run
 from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, deployed_impact_settings, impact_score,
-                                        impact_shards_dir, impact_vector, query_term_counts)
+                                        impact_shards_dir, impact_vector, query_term_counts, recorded_settings)
 
 log = logging.getLogger(__name__)
 Vector = dict[int, float]
@@ -140,10 +140,8 @@ class ImpactReranker:
     def settings(self) -> dict:
         """The top-k and β of the impact vectors and where they came from (what an evaluation records)."""
         if self.shards:
-            marker = read_json(marker_path(self.shards[0]))
-            cap = {"expansion_ratio": marker["expansion_ratio"]} if "expansion_ratio" in marker else {}
-            return {"reranker_impact": {"top_k": marker.get("top_k"), "explicit_weight": marker.get("explicit_weight", 0.0),
-                                        **cap, "source": f"impact shards {impact_shards_dir(self.workdir)}"}}
+            return {"reranker_impact": recorded_settings(read_json(marker_path(self.shards[0])),
+                                                         f"impact shards {impact_shards_dir(self.workdir)}")}
         return {"reranker_impact": {"top_k": self.config.top_k, "explicit_weight": self.config.explicit_weight,
                                     "source": self.settings_source}}
 
