@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES
+from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ class BenchmarkConfig:
                                       "are: --checkpoints DIR or --from-workdir W")
         if not self.pipelines:
             raise ConfigError.invalid("BenchmarkConfig", "pipelines", "must name at least one pipeline")
-        if self.weight_rule not in WEIGHT_RULES:
-            raise ConfigError.invalid("BenchmarkConfig", "weight_rule", f"must be one of {WEIGHT_RULES}, got {self.weight_rule!r}")
+        check_weight_rule("BenchmarkConfig", self.weight_rule)
         for name in ("k", "rerank_depth", "shards"):
             if getattr(self, name) < 1:
                 raise ConfigError.invalid("BenchmarkConfig", name, f"must be >= 1, got {getattr(self, name)}")

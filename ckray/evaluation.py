@@ -12,7 +12,7 @@ from pathlib import Path
 from ckray.data.collections import judged_queries, read_queries_and_qrels, write_trec_run
 from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
-from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES
+from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
 from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
@@ -46,8 +46,7 @@ class EvaluateConfig:
                 raise ConfigError.invalid("EvaluateConfig", name, f"must be >= 1, got {getattr(self, name)}")
         if not self.pipelines:
             raise ConfigError.invalid("EvaluateConfig", "pipelines", "must name at least one pipeline")
-        if self.weight_rule not in WEIGHT_RULES:
-            raise ConfigError.invalid("EvaluateConfig", "weight_rule", f"must be one of {WEIGHT_RULES}, got {self.weight_rule!r}")
+        check_weight_rule("EvaluateConfig", self.weight_rule)
 
 
 def run_path(workdir, pipeline: str, split: str) -> Path:

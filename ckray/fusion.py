@@ -161,6 +161,12 @@ WEIGHT_RULES = ("best", "one-se")
 DEFAULT_WEIGHT_RULE = "one-se"   # w of first+reranker pipelines (module docstring)
 
 
+def check_weight_rule(config: str, rule: str) -> None:
+    """A ConfigError naming ``config``'s ``weight_rule`` field unless ``rule`` is one of WEIGHT_RULES."""
+    if rule not in WEIGHT_RULES:
+        raise ConfigError.invalid(config, "weight_rule", f"must be one of {WEIGHT_RULES}, got {rule!r}")
+
+
 def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, int]], grid: Sequence[float],
                 name: str = "weight", rule: str = "best") -> tuple[float, dict[float, float]]:
     """The weight of ``grid`` that ``rule`` (``"best"`` or ``"one-se"``, module docstring) chooses for
