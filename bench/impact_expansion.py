@@ -33,51 +33,55 @@ from bench.impact_topk import index_metrics, link_corpus_shards  # noqa: E402
 from ckray.cli import setup_logging  # noqa: E402
 
 
-def own_terms(workdir: Path, checkpoint: Path) -> dict[str, "object"]:
+def own_terms(corpus_shard: Path, cfg: dict) -> dict[str, "object"]:
     """doc_id → the distinct word-piece ids the impact scorer saw (the checkpoint's tokenizer and
-    ``max_doc_len``)."""
+    ``max_doc_len``), for the documents of one corpus shard."""
     import numpy as np
     import pyarrow.parquet as pq
 
     from ckray.data.collections import doc_text
-    from ckray.data.shards import shard_paths
-    from ckray.models.checkpoint import read_checkpoint_config
     from ckray.rankers.ck_qti.model import tokenize
 
-    cfg = read_checkpoint_config(checkpoint)["config"]
     out = {}
-    for shard in shard_paths(workdir):
-        t = pq.read_table(shard, columns=["doc_id", "title", "text"]).to_pydict()
-        texts = [doc_text(a, b) for a, b in zip(t["title"], t["text"])]
-        for i in range(0, len(texts), 512):
-            ids, mask = tokenize(texts[i:i + 512], cfg["max_doc_len"], cfg.get("encoder"))
-            for d, row, m in zip(t["doc_id"][i:i + 512], ids.numpy(), mask.numpy().astype(bool)):
-                out[d] = np.unique(row[m])
+    for batch in pq.ParquetFile(corpus_shard).iter_batches(batch_size=512, columns=["doc_id", "title", "text"]):
+        t = batch.to_pydict()
+        ids, mask = tokenize([doc_text(a, b) for a, b in zip(t["title"], t["text"])], cfg["max_doc_len"],
+                             cfg.get("encoder"))
+        for d, row, m in zip(t["doc_id"], ids.numpy(), mask.numpy().astype(bool)):
+            out[d] = np.unique(row[m])
     return out
 
 
-def capped_copy(src_w: Path, dst_w: Path, ratio: float, own: dict) -> None:
-    """``dst_w/impact/shards``: ``src_w``'s shards with expansion terms capped at ``ratio``, stamped as
-    a build with ``--expansion-ratio ratio``."""
+def capped_copies(src_w: Path, dst: dict[float, Path], checkpoint: Path) -> None:
+    """``dst[r]/impact/shards`` for each ratio r: ``src_w``'s shards with expansion terms capped at r,
+    stamped as a build with ``--expansion-ratio r``. One impact shard (and its corpus shard's own
+    terms) in memory at a time."""
     import pyarrow.parquet as pq
 
-    from ckray.data.shards import marker_path, read_json
+    from ckray.data.shards import marker_path, read_json, shard_paths
+    from ckray.models.checkpoint import read_checkpoint_config
     from ckray.rankers.ck_qti.impact import cap_expansion, impact_shards_dir, impact_table, write_impact_shard
 
-    link_corpus_shards(src_w, dst_w)
-    out = impact_shards_dir(dst_w)
-    out.mkdir(parents=True, exist_ok=True)
+    cfg = read_checkpoint_config(checkpoint)["config"]
+    corpus = {p.name: p for p in shard_paths(src_w)}
+    for dst_w in dst.values():
+        link_corpus_shards(src_w, dst_w)
+        impact_shards_dir(dst_w).mkdir(parents=True, exist_ok=True)
     for shard in sorted(impact_shards_dir(src_w).glob("part-*.parquet")):
-        t = pq.read_table(shard)
-        ids = t.column("doc_id").to_pylist()
-        capped = [cap_expansion(terms.values.to_numpy(), weights.values.to_numpy(), own[d], ratio)
-                  for d, terms, weights in zip(ids, t.column("terms"), t.column("weights"))]
         stamp = {k: v for k, v in read_json(marker_path(shard)).items() if k not in ("rows", "max_weight")}
         if "expansion_ratio" in stamp:
             raise SystemExit(f"{shard} is already capped (expansion_ratio {stamp['expansion_ratio']}); "
                              "build the source index without --expansion-ratio")
-        write_impact_shard(out / shard.name, impact_table(ids, [c[0] for c in capped], [c[1] for c in capped]),
-                           {**stamp, "expansion_ratio": ratio})
+        own = own_terms(corpus[stamp["source"]], cfg)
+        t = pq.read_table(shard)
+        ids = t.column("doc_id").to_pylist()
+        vectors = [(terms.values.to_numpy(), weights.values.to_numpy())
+                   for terms, weights in zip(t.column("terms"), t.column("weights"))]
+        for ratio, dst_w in dst.items():
+            capped = [cap_expansion(terms, weights, own[d], ratio) for d, (terms, weights) in zip(ids, vectors)]
+            write_impact_shard(impact_shards_dir(dst_w) / shard.name,
+                               impact_table(ids, [c[0] for c in capped], [c[1] for c in capped]),
+                               {**stamp, "expansion_ratio": ratio})
 
 
 def main() -> None:
@@ -119,17 +123,15 @@ def main() -> None:
         bm25 = bm25_retriever(w)
         first = {name: bm25.search(qs, k=100) for name, (qs, _) in splits.items()}
         store = DocStore(w)
+        capped = {r: out / data.name / f"r{r:g}" for r in ratios}
         t0 = time.perf_counter()
-        own = own_terms(w, checkpoint)
-        print(f"{data.name}: own terms of {len(own)} documents in {time.perf_counter() - t0:.0f}s", flush=True)
+        capped_copies(w, capped, checkpoint)
+        print(f"{data.name}: {len(ratios)} capped copies in {time.perf_counter() - t0:.0f}s", flush=True)
         for r in [None, *ratios]:  # None: the uncapped index in W itself (today's default)
             config = ImpactConfig(top_k=meta["top_k"], explicit_weight=meta.get("explicit_weight", 0.0),
                                   expansion_candidates=meta["expansion_candidates"],
                                   candidate_pool=meta["candidate_pool"], expansion_ratio=r)
-            wr = w
-            if r is not None:
-                wr = out / data.name / f"r{r:g}"
-                capped_copy(w, wr, r, own)
+            wr = w if r is None else capped[r]
             row = {"collection": data.name, "role": role, "expansion_ratio": "none" if r is None else r,
                    **index_metrics(wr, checkpoint, config, splits, first, store)}
             rows.append(row)
