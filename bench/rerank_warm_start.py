@@ -12,7 +12,8 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
   encoder is the same pretrained MiniLM in all eight models, so one encoder pass serves every head
   (``CEDRRanker.score_encoding``);
 * ``qds`` warm and random, at its settings of record (MiniLM, 512 tokens, window 128): one encoder
-  pass, the [CLS] vectors scored by each head.
+  pass, the [CLS] vectors scored by each head; ``qds-pooled/warm``: the pooled head's step-0 score
+  (γ · cos of the mean query and document vectors, ``head="pooled"``) from the same pass.
 
 The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) are fitted on
 ``--probe-triples`` (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of
@@ -124,17 +125,25 @@ def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torc
 
 
 def qds_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torch.Tensor]:
-    """The QDS-Transformer's [CLS] vectors once; the random head and the probe-fitted warm head on them."""
-    from ckray.rankers.qds.model import QDSConfig, QDSTransformer
+    """One QDS encoding of every pair: its [CLS] vectors scored by the random head and by the
+    probe-fitted warm head, and the warm pooled head's score (``pooled_similarity``)."""
+    from ckray.rankers.qds.model import POOLED_SCALE, QDSConfig, QDSTransformer, pooled_similarity
 
     torch.manual_seed(0)
     model = QDSTransformer(QDSConfig(**QDS_SETTINGS)).eval()
-    cls = model.cls_vectors([queries[q] for q, _ in pairs], [texts[d] for _, d in pairs], batch_size)
+    cls, pooled = [], []
     with torch.no_grad():
-        random_scores = model.score(cls).squeeze(-1)
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i:i + batch_size]
+            batch = model.build_batch([queries[q] for q, _ in chunk], [texts[d] for _, d in chunk])
+            hidden = model.encode(batch)
+            cls.append(hidden[:, 0].float())
+            pooled.append(POOLED_SCALE * pooled_similarity(hidden, batch))
+        cls_vectors = torch.cat(cls)
+        random_scores = model.score(cls_vectors).squeeze(-1)
         model.warm_start_head(*map(list, zip(*probe)), batch_size=batch_size)
-        warm_scores = model.score(cls).squeeze(-1)
-    return {"qds/warm": warm_scores, "qds/random": random_scores}
+        warm_scores = model.score(cls_vectors).squeeze(-1)
+    return {"qds/warm": warm_scores, "qds/random": random_scores, "qds-pooled/warm": torch.cat(pooled)}
 
 
 def main() -> None:

@@ -24,11 +24,20 @@ LayerNorm are the ``BertLayer`` submodules, run by ``QDSTransformer._layer`` bel
 embeddings are extended past 512 by copying the pretrained table (row i ← row i mod 512), as
 Longformer did. The relevance score is a linear head on the final [CLS] vector.
 
-Warm start (``head_init="warm"``; ``"random"``: the paper's N(0, 0.02) head). The head's initial
-weight is the pairwise probe of a few training triples (``QDSTransformer.warm_start_head``,
-``ckray.models.losses.pairwise_probe``): the linear function of the untrained model's [CLS] vector
-that best orders each d+ above its d−, bias 0, fitted by the training task before step 0. Only the
-initial value of ``score`` changes; the score is ``w · h_[CLS] + b`` either way.
+Score heads (``head``):
+
+* ``"cls"`` (the paper's): ``s = w · h_[CLS] + b``.
+* ``"pooled"``: ``s = w · h_[CLS] + b + γ · cos(q̄, d̄)``, q̄ and d̄ the means of the final vectors of the
+  query's and the document's word pieces in the same joint encoding, γ a learned scalar. MiniLM was
+  trained as a bi-encoder on exactly this cosine (mean pooling, scale 20), so the term ranks before
+  any fine-tuning; the [CLS] term learns what it adds. The attention is the paper's either way.
+
+Warm start (``head_init="warm"``; ``"random"``: the paper's N(0, 0.02) head, and γ = 0). With
+``head="cls"`` the head's initial weight is the pairwise probe of a few training triples
+(``QDSTransformer.warm_start_head``, ``ckray.models.losses.pairwise_probe``): the linear function of
+the untrained model's [CLS] vector that best orders each d+ above its d−, bias 0, fitted by the
+training task before step 0. With ``head="pooled"`` w = 0, b = 0 and γ = 20: the step-0 score is the
+pooled cosine, and no training triple is needed. Only initial values change.
 
 With a window covering the whole sequence the model is exactly BERT on ``[CLS] q [SEP] d [SEP]``
 (plus the [SOS] tokens), which ``tests/test_qds_model.py`` checks. Encoders: BERT-family models
@@ -61,6 +70,8 @@ from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 # ---------------------------------------------------------------------------------------------
 
 HEAD_INITS = ("warm", "random")
+HEADS = ("cls", "pooled")
+POOLED_SCALE = 20.0   # γ of a warm "pooled" head: the cosine scale MiniLM's bi-encoder was trained at
 
 @dataclass
 class QDSConfig:
@@ -79,6 +90,8 @@ class QDSConfig:
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
     frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
                       (``ckray.models.encoders.freeze_bottom_layers``): less backward work per pair.
+    head:             "cls" (the paper's ``w · h_[CLS] + b``) or "pooled" (plus ``γ · cos(q̄, d̄)``,
+                      module docstring).
     head_init:        "warm" (the score head fitted by ``warm_start_head`` before training, module
                       docstring) or "random"; recorded so a checkpoint says how its training started.
     pretrained:       load pretrained encoder weights in ``__init__``. A constructed model records the
@@ -100,6 +113,7 @@ class QDSConfig:
     gradient_checkpointing: bool = False
     frozen_layers: int = 0
     head_init: str = "random"
+    head: str = "cls"
     pretrained: bool = True
     bert_config: dict[str, Any] | None = field(default=None)
 
@@ -109,6 +123,8 @@ class QDSConfig:
             raise ConfigError(f"QDSConfig.pattern must be one of {PATTERNS}, got {self.pattern!r}")
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"QDSConfig.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        if self.head not in HEADS:
+            raise ConfigError(f"QDSConfig.head must be one of {HEADS}, got {self.head!r}")
         if self.window < 0:
             raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
         if self.frozen_layers < 0:
@@ -192,7 +208,7 @@ def encode_pairs(tokenizer, queries: Sequence[str], docs: Sequence[str], config:
 # ---------------------------------------------------------------------------------------------
 
 class QDSTransformer(nn.Module):
-    """BERT layers with QDS attention; ``score = w · h_[CLS] + b``."""
+    """BERT layers with QDS attention; ``score = w · h_[CLS] + b`` (``+ γ · cos(q̄, d̄)`` with ``head="pooled"``)."""
 
     def __init__(self, config: QDSConfig | None = None):
         super().__init__()
@@ -206,6 +222,11 @@ class QDSTransformer(nn.Module):
         self.score = nn.Linear(hidden, 1)
         nn.init.normal_(self.score.weight, std=bert.config.initializer_range)
         nn.init.zeros_(self.score.bias)
+        if config.head == "pooled":
+            warm = config.head_init == "warm"
+            self.similarity_scale = nn.Parameter(torch.tensor(POOLED_SCALE if warm else 0.0))
+            if warm:
+                nn.init.zeros_(self.score.weight)
         self.config = replace(config, pretrained=False, bert_config=architecture_of(bert.config))
         self.tokenizer = load_tokenizer(config.encoder)
 
@@ -263,8 +284,11 @@ class QDSTransformer(nn.Module):
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Relevance scores ``[B]`` of a batch from ``encode_pairs`` (or ``build_batch``)."""
-        cls = self.encode(batch)[:, 0]
-        return self.score(self.dropout(cls)).squeeze(-1)
+        hidden = self.encode(batch)
+        score = self.score(self.dropout(hidden[:, 0])).squeeze(-1)
+        if self.config.head == "pooled":
+            score = score + self.similarity_scale * pooled_similarity(hidden, batch)
+        return score
 
     def cls_vectors(self, queries: Sequence[str], docs: Sequence[str], batch_size: int = 8) -> torch.Tensor:
         """Final [CLS] vectors ``[N, hidden]`` (fp32, CPU) of aligned (query, document) texts; no gradient,
@@ -316,6 +340,21 @@ class QDSTransformer(nn.Module):
             return scores
         finally:
             self.train(was_training)
+
+
+def pooled_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``cos(q̄, d̄)`` ``[B]``: the means of the final vectors of the query's word pieces (the global
+    tokens after [CLS]) and of the document's (segment 1, [SOS] tokens left out), in fp32."""
+    hidden = hidden.float()
+    global_mask = batch["global_mask"].to(hidden.device).clone()
+    global_mask[:, 0] = False                                                    # [CLS]
+    doc_mask = ((batch["token_type_ids"] == 1) & batch["attention_mask"] & ~batch["sentence_mask"]).to(hidden.device)
+
+    def mean(mask: torch.Tensor) -> torch.Tensor:
+        m = mask[..., None].to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+    return torch.nn.functional.cosine_similarity(mean(global_mask), mean(doc_mask), dim=-1)
 
 
 def _extend_positions(bert: nn.Module, max_length: int) -> None:

@@ -22,6 +22,8 @@ class QDSOptions:
     head_init: str = option("warm", "how the [CLS] score head starts: fitted to the first training triples before "
                                     "step 0 (warm) or the paper's random initialisation (random)",
                             choices=("warm", "random"))
+    head: str = option("cls", "score head: w · h_[CLS] + b (cls, the paper's), or that plus γ · cos of the mean "
+                              "query and document vectors of the joint encoding (pooled)", choices=("cls", "pooled"))
     head_lr_multiplier: float = option(1.0, "train the [CLS] score head this many times faster than the encoder")
 
     @property

@@ -46,12 +46,16 @@ class QDSTask(RankerTask):
     # tokens, 120 steps × 8 triples) 1× and 50× both ended at dev nDCG@10 0.31: the head is not the limit.
     head_lr_multiplier: float = 1.0
     # (query, pos_text, neg_text) texts the warm head is fitted to (``probe_triples``); used when
-    # model_config.head_init == "warm"
+    # model_config.head_init == "warm" with the [CLS] head (the pooled head starts warm without data)
     warm_triples: dict[str, list[str]] | None = None
+
+    @property
+    def needs_warm_triples(self) -> bool:
+        return self.model_config.head_init == "warm" and self.model_config.head == "cls"
 
     def build_model(self) -> QDSTransformer:
         model = QDSTransformer(self.model_config)
-        if self.model_config.head_init == "warm":
+        if self.needs_warm_triples:
             warm_start_from(model, self.warm_triples, self.name)
         return model
 
@@ -65,6 +69,7 @@ class QDSTask(RankerTask):
         """The encoder at ``lr``, the score head ``head_lr_multiplier`` times faster."""
         from ckray.training import weight_decay_groups
 
-        head = {id(p) for p in model.score.parameters()}
+        head_params = [*model.score.parameters(), *([model.similarity_scale] if model.config.head == "pooled" else [])]
+        head = {id(p) for p in head_params}
         return (weight_decay_groups([p for p in model.parameters() if id(p) not in head], weight_decay)
-                + weight_decay_groups(model.score.parameters(), weight_decay, lr=lr * self.head_lr_multiplier))
+                + weight_decay_groups(head_params, weight_decay, lr=lr * self.head_lr_multiplier))
