@@ -13,13 +13,15 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
   (``CEDRRanker.score_encoding``);
 * ``qds`` warm and random, at its settings of record (MiniLM, 512 tokens, window 128): one encoder
   pass, the [CLS] vectors scored by each head; ``qds-pooled/warm``: the pooled head's step-0 score
-  (γ · cos of the mean query and document vectors, ``head="pooled"``) from the same pass.
+  (γ · cos of the mean query and document vectors, ``head="pooled"``) from the same pass, and with
+  ``--pooled-patterns`` under the ablation patterns too (how much the query's global attention to the
+  document costs the cosine).
 
 The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) are fitted on
 ``--probe-triples`` (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of
 *non-dev* training queries, as the training jobs do with their first triples.
 
-    python bench/rerank_warm_start.py --workdir W [--data DIR] [--queries 50] [--depth 30] [--probe-triples 32]
+    python bench/rerank_warm_start.py --workdir W [--data DIR] [--queries 50] [--depth 30] [--probe-triples 32] [--pooled-patterns qds,longformer-qa,local]
 
 ``W``: a work directory prepared on SciFact (``jobs/prepare.py``). Prints nDCG@10 per model and ends
 with one JSON line.
@@ -124,26 +126,31 @@ def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torc
     return {name: torch.cat(s) for name, s in out.items()}
 
 
-def qds_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torch.Tensor]:
+def qds_scores(queries, pairs, texts, probe, batch_size: int, pooled_patterns: list[str]) -> dict[str, torch.Tensor]:
     """One QDS encoding of every pair: its [CLS] vectors scored by the random head and by the
-    probe-fitted warm head, and the warm pooled head's score (``pooled_similarity``)."""
+    probe-fitted warm head, and the warm pooled head's score (``pooled_similarity``); the pooled head
+    also under each attention pattern of ``pooled_patterns`` other than "qds" (one more pass each)."""
     from ckray.rankers.qds.model import POOLED_SCALE, QDSConfig, QDSTransformer, pooled_similarity
 
-    torch.manual_seed(0)
-    model = QDSTransformer(QDSConfig(**QDS_SETTINGS)).eval()
-    cls, pooled = [], []
-    with torch.no_grad():
-        for i in range(0, len(pairs), batch_size):
-            chunk = pairs[i:i + batch_size]
-            batch = model.build_batch([queries[q] for q, _ in chunk], [texts[d] for _, d in chunk])
-            hidden = model.encode(batch)
-            cls.append(hidden[:, 0].float())
-            pooled.append(POOLED_SCALE * pooled_similarity(hidden, batch))
-        cls_vectors = torch.cat(cls)
-        random_scores = model.score(cls_vectors).squeeze(-1)
-        model.warm_start_head(*map(list, zip(*probe)), batch_size=batch_size)
-        warm_scores = model.score(cls_vectors).squeeze(-1)
-    return {"qds/warm": warm_scores, "qds/random": random_scores, "qds-pooled/warm": torch.cat(pooled)}
+    out: dict[str, torch.Tensor] = {}
+    for pattern in dict.fromkeys(["qds", *pooled_patterns]):
+        torch.manual_seed(0)
+        model = QDSTransformer(QDSConfig(**{**QDS_SETTINGS, "pattern": pattern})).eval()
+        cls, pooled = [], []
+        with torch.no_grad():
+            for i in range(0, len(pairs), batch_size):
+                chunk = pairs[i:i + batch_size]
+                batch = model.build_batch([queries[q] for q, _ in chunk], [texts[d] for _, d in chunk])
+                hidden = model.encode(batch)
+                cls.append(hidden[:, 0].float())
+                pooled.append(POOLED_SCALE * pooled_similarity(hidden, batch))
+            out["qds-pooled/warm" if pattern == "qds" else f"qds-{pattern}-pooled/warm"] = torch.cat(pooled)
+            if pattern == "qds":
+                cls_vectors = torch.cat(cls)
+                out["qds/random"] = model.score(cls_vectors).squeeze(-1)
+                model.warm_start_head(*map(list, zip(*probe)), batch_size=batch_size)
+                out["qds/warm"] = model.score(cls_vectors).squeeze(-1)
+    return out
 
 
 def main() -> None:
@@ -155,6 +162,9 @@ def main() -> None:
     ap.add_argument("--probe-triples", type=int, default=32, help="training triples the probe heads are fitted on")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pooled-patterns", default="qds",
+                    help="attention patterns the pooled QDS head is also scored under (comma-separated: qds, "
+                         "longformer-qa, local); the [CLS] heads use qds")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: cedr, qds, biencoder")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -167,7 +177,8 @@ def main() -> None:
     result["ndcg@10"]["bm25"] = ndcg(pairs, torch.tensor([s for q in sorted(queries) for _, s in bm25[q]]), qrels)
     parts = {"biencoder": lambda: {"minilm-biencoder": biencoder_scores(queries, pairs, texts, args.batch_size)},
              "cedr": lambda: cedr_scores(queries, pairs, texts, probe, args.batch_size),
-             "qds": lambda: qds_scores(queries, pairs, texts, probe, args.batch_size)}
+             "qds": lambda: qds_scores(queries, pairs, texts, probe, args.batch_size,
+                                     list(filter(None, args.pooled_patterns.split(","))))}
     for part, run in parts.items():
         if part in skip:
             continue

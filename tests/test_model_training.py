@@ -84,10 +84,13 @@ def test_clear_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path
 
 @pytest.mark.slow
 def test_qds_trains_with_deepspeed_zero2(ray_session, scifact_sample, tmp_path):
-    from ckray.rankers.qds.model import QDSConfig
+    """The pooled head (w · h_[CLS] + b + γ · cos): both heads' parameters, γ included, go through
+    DeepSpeed's broadcast and ZeRO-2 partitioning, and γ is trained."""
+    from ckray.rankers.qds.model import POOLED_SCALE, QDSConfig
     from ckray.rankers.qds.task import QDSTask
 
     bert = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
             "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 512}
-    config = QDSConfig(pretrained=False, bert_config=bert, max_length=256, window=32)
-    _train(QDSTask(model_config=config, name="qds-test"), scifact_sample, tmp_path, lr=1e-3)
+    config = QDSConfig(pretrained=False, bert_config=bert, max_length=256, window=32, head="pooled", head_init="warm")
+    result = _train(QDSTask(model_config=config, name="qds-test"), scifact_sample, tmp_path, lr=1e-3)
+    assert float(load_model(result.best_checkpoint).similarity_scale) != POOLED_SCALE

@@ -337,7 +337,7 @@ def test_pooled_head_from_random_is_the_papers_cls_head_and_trains_its_scale():
     cls_model = QDSTransformer(tiny()).eval()
     pooled = QDSTransformer(tiny(head="pooled"))
     state = cls_model.state_dict()
-    pooled.load_state_dict({**state, "similarity_scale": torch.tensor(0.0)})
+    pooled.load_state_dict({**state, "similarity_scale": torch.zeros(1)})
     pooled.eval()
     batch = cls_model.build_batch(QUERIES, DOCS)
     torch.testing.assert_close(pooled(batch), cls_model(batch), atol=1e-6, rtol=1e-6)

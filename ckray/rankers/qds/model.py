@@ -224,7 +224,8 @@ class QDSTransformer(nn.Module):
         nn.init.zeros_(self.score.bias)
         if config.head == "pooled":
             warm = config.head_init == "warm"
-            self.similarity_scale = nn.Parameter(torch.tensor(POOLED_SCALE if warm else 0.0))
+            # shape [1], not a 0-dim scalar: DeepSpeed broadcasts parameters as byte views
+            self.similarity_scale = nn.Parameter(torch.full((1,), POOLED_SCALE if warm else 0.0))
             if warm:
                 nn.init.zeros_(self.score.weight)
         self.config = replace(config, pretrained=False, bert_config=architecture_of(bert.config))

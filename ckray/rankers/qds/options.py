@@ -19,11 +19,13 @@ class QDSOptions:
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
     frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
                                    "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
-    head_init: str = option("warm", "how the [CLS] score head starts: fitted to the first training triples before "
-                                    "step 0 (warm) or the paper's random initialisation (random)",
+    head_init: str = option("warm", "how the score head starts: the pooled cosine, or with --head cls fitted to the "
+                                    "first training triples, before step 0 (warm); the paper's random "
+                                    "initialisation, γ = 0 (random)",
                             choices=("warm", "random"))
-    head: str = option("cls", "score head: w · h_[CLS] + b (cls, the paper's), or that plus γ · cos of the mean "
-                              "query and document vectors of the joint encoding (pooled)", choices=("cls", "pooled"))
+    head: str = option("pooled", "score head: w · h_[CLS] + b plus γ · cos of the mean query and document vectors "
+                                 "of the joint encoding (pooled; warm: starts as that cosine), or the paper's "
+                                 "w · h_[CLS] + b alone (cls)", choices=("pooled", "cls"))
     head_lr_multiplier: float = option(1.0, "train the [CLS] score head this many times faster than the encoder")
 
     @property
