@@ -82,7 +82,7 @@ def ndcg(pairs: list[tuple[str, str]], scores: torch.Tensor, qrels) -> float:
 
 def biencoder_scores(queries, pairs, texts, batch_size: int) -> torch.Tensor:
     """Zero-shot MiniLM: cosine of the mean-pooled token vectors, query and document encoded apart."""
-    from ckray.models.encoders import load_encoder, load_tokenizer
+    from ckray.models.encoders import load_encoder, load_tokenizer, mean_pool
 
     tok, enc = load_tokenizer(), load_encoder().eval()
 
@@ -92,9 +92,7 @@ def biencoder_scores(queries, pairs, texts, batch_size: int) -> torch.Tensor:
         for i in range(0, len(texts_), batch_size):
             b = tok(texts_[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
                     return_tensors="pt")
-            h = enc(**b).last_hidden_state
-            m = b["attention_mask"][..., None].to(h.dtype)
-            out.append(F.normalize((h * m).sum(1) / m.sum(1).clamp(min=1), dim=-1))
+            out.append(F.normalize(mean_pool(enc(**b).last_hidden_state, b["attention_mask"]), dim=-1))
         return torch.cat(out)
 
     qids = sorted(queries)

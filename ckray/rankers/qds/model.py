@@ -60,7 +60,7 @@ from transformers import AutoModel
 
 from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, freeze_bottom_layers,
-                                   load_tokenizer, resolve_encoder)
+                                   load_tokenizer, mean_pool, resolve_encoder)
 from ckray.models.losses import pairwise_loss, pairwise_probe
 from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 
@@ -347,15 +347,10 @@ def pooled_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -
     """``cos(q̄, d̄)`` ``[B]``: the means of the final vectors of the query's word pieces (the global
     tokens after [CLS]) and of the document's (segment 1, [SOS] tokens left out), in fp32."""
     hidden = hidden.float()
-    global_mask = batch["global_mask"].to(hidden.device).clone()
-    global_mask[:, 0] = False                                                    # [CLS]
+    query_mask = batch["global_mask"].to(hidden.device).clone()
+    query_mask[:, 0] = False                                                     # [CLS]
     doc_mask = ((batch["token_type_ids"] == 1) & batch["attention_mask"] & ~batch["sentence_mask"]).to(hidden.device)
-
-    def mean(mask: torch.Tensor) -> torch.Tensor:
-        m = mask[..., None].to(hidden.dtype)
-        return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
-
-    return torch.nn.functional.cosine_similarity(mean(global_mask), mean(doc_mask), dim=-1)
+    return torch.nn.functional.cosine_similarity(mean_pool(hidden, query_mask), mean_pool(hidden, doc_mask), dim=-1)
 
 
 def _extend_positions(bert: nn.Module, max_length: int) -> None:
