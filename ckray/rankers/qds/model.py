@@ -245,6 +245,10 @@ class QDSTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.score.weight.device
 
+    def head_parameters(self) -> list[nn.Parameter]:
+        """The score head's parameters: ``w``, ``b`` and, with ``head="pooled"``, ``γ``."""
+        return [*self.score.parameters(), *([self.similarity_scale] if self.config.head == "pooled" else [])]
+
     # -- forward ----------------------------------------------------------------------------------
 
     def _layer(self, layer: nn.Module, hidden: torch.Tensor, layout) -> torch.Tensor:

@@ -26,7 +26,8 @@ class QDSOptions:
     head: str = option("pooled", "score head: w · h_[CLS] + b plus γ · cos of the mean query and document vectors "
                                  "of the joint encoding (pooled; warm: starts as that cosine), or the paper's "
                                  "w · h_[CLS] + b alone (cls)", choices=("pooled", "cls"))
-    head_lr_multiplier: float = option(1.0, "train the [CLS] score head this many times faster than the encoder")
+    head_lr_multiplier: float = option(1.0, "train the score head (w, b and the pooled head's γ) this many times "
+                                            "faster than the encoder")
 
     @property
     def checkpoint_name(self) -> str:

@@ -69,7 +69,7 @@ class QDSTask(RankerTask):
         """The encoder at ``lr``, the score head ``head_lr_multiplier`` times faster."""
         from ckray.training import weight_decay_groups
 
-        head_params = [*model.score.parameters(), *([model.similarity_scale] if model.config.head == "pooled" else [])]
+        head_params = model.head_parameters()
         head = {id(p) for p in head_params}
         return (weight_decay_groups([p for p in model.parameters() if id(p) not in head], weight_decay)
                 + weight_decay_groups(head_params, weight_decay, lr=lr * self.head_lr_multiplier))
