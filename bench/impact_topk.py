@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,38 +75,48 @@ def index_metrics(wk: Path, checkpoint: Path, config, splits: dict, first: dict,
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def impact_bench_arguments(doc: str, add: Callable[[argparse.ArgumentParser], None] = lambda p: None):
+    """The flags of a CK-QTI index bench (``--data``, ``--workdir``, ``--checkpoint``, ``--split`` and
+    ``add``'s) parsed, with logging set up → ``(args, data, W, checkpoint)``; None, after saying so,
+    when ``--data`` holds no collection."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
     p.add_argument("--workdir", required=True)
     p.add_argument("--checkpoint", default=None, help="default: W/checkpoints/ck-qti")
-    p.add_argument("--ks", default="32,64,128,256")
-    p.add_argument("--explicit-weights", default="0", help="β values (comma-separated); 0 = the model's s_td")
-    p.add_argument("--out", default=None, help="default: W/impact-topk")
-    p.add_argument("--split", default="test")
-    p.add_argument("--cpus-per-actor", type=float, default=2.0)
-    p.add_argument("--expansion-candidates", type=int, default=None, help="default: the index job's (256)")
-    p.add_argument("--candidate-pool", choices=("window", "position"), default=None, help="default: the job's")
+    p.add_argument("--split", default="test", help="the qrels split reported beside dev")
+    add(p)
     args = p.parse_args()
     setup_logging("WARNING")
     data, w = Path(args.data), Path(args.workdir)
     if not (data / "corpus.jsonl").exists() and not (data / "collection.tsv").exists():
         print(f"skip: no collection at {data} (pass --data DIR)")
+        return None
+    return args, data, w, Path(args.checkpoint or w / "checkpoints" / "ck-qti")
+
+
+def main() -> None:
+    def flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--ks", default="32,64,128,256")
+        p.add_argument("--explicit-weights", default="0", help="β values (comma-separated); 0 = the model's s_td")
+        p.add_argument("--out", default=None, help="default: W/impact-topk")
+        p.add_argument("--cpus-per-actor", type=float, default=2.0)
+        p.add_argument("--expansion-candidates", type=int, default=None, help="default: the index job's (256)")
+        p.add_argument("--candidate-pool", choices=("window", "position"), default=None, help="default: the job's")
+
+    parsed = impact_bench_arguments(__doc__, flags)
+    if parsed is None:
         return
-    from ckray.data.collections import read_queries_and_qrels
+    args, data, w, checkpoint = parsed
     from ckray.data.shards import DocStore
-    from ckray.fusion import dev_queries
+    from ckray.fusion import measurement_splits
     from ckray.rankers.ck_qti.impact import ImpactConfig, build_impact_index
     from ckray.lexical.bm25 import bm25_retriever
 
-    checkpoint = Path(args.checkpoint or w / "checkpoints" / "ck-qti")
     candidates = {k: v for k, v in (("expansion_candidates", args.expansion_candidates),
                                     ("candidate_pool", args.candidate_pool)) if v is not None}
     ks = sorted(int(k) for k in args.ks.split(","))
     out = Path(args.out or w / "impact-topk")
-    queries, qrels = read_queries_and_qrels(data)
-    splits = {"dev": dev_queries(queries, qrels, max_queries=10**6),
-              args.split: ({q: queries[q] for q in qrels[args.split] if q in queries}, qrels[args.split])}
+    splits = measurement_splits(data, args.split)
     from ckray.ray_env import init_ray
 
     init_ray()  # before the JVM: Ray's crash handler, installed after it, turns the JVM's own SIGSEGVs fatal

@@ -265,3 +265,17 @@ def dev_queries(queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, Map
     qids = sorted(q for q in judged if q in queries and any(r > 0 for r in judged[q].values()))
     dev = [q for q in qids if is_dev_query(q, dev_fraction, seed)][:max_queries]
     return {q: queries[q] for q in dev}, {q: dict(judged[q]) for q in dev}
+
+
+def measurement_splits(data: str | os.PathLike, split: str) -> dict[str, tuple[dict[str, str], dict[str, dict[str, int]]]]:
+    """A collection's query sets for side-by-side measurements (``bench/``): ``{"dev": every held-back
+    training query, where the collection has training qrels (settings are chosen there), split: its
+    judged queries (reported, never chosen on)}``, each as ``(queries, qrels)``."""
+    from ckray.data.collections import read_queries_and_qrels
+
+    queries, qrels = read_queries_and_qrels(Path(data))
+    if split not in qrels:
+        raise ConfigError(f"--split {split!r}: {data} has qrels for {sorted(qrels)}")
+    splits = {"dev": dev_queries(queries, qrels, max_queries=10**6)} if "train" in qrels else {}
+    splits[split] = ({q: queries[q] for q in qrels[split] if q in queries}, dict(qrels[split]))
+    return splits

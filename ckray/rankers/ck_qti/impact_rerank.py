@@ -38,8 +38,9 @@ import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
 from ckray.fusion import Run
-from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, deployed_impact_settings, impact_score,
-                                        impact_shards_dir, impact_vector, query_term_counts, recorded_settings)
+from ckray.rankers.ck_qti.impact import (MAX_QUERY_PIECES, ImpactConfig, _check_checkpoint, deployed_impact_settings,
+                                        impact_score, impact_shards_dir, impact_vector, query_term_counts,
+                                        query_terms_setting, recorded_settings)
 
 log = logging.getLogger(__name__)
 Vector = dict[int, float]
@@ -109,6 +110,8 @@ class ImpactReranker:
     doc_text: Callable[[str], str]
     config: ImpactConfig | None = None   # None: top-k and β saved with the checkpoint, else the defaults
     cache_documents: int = 100_000   # computed vectors kept (least recently used dropped first)
+    analyze_queries: bool = True     # query_term_counts(analyzed=…, max_pieces=…)
+    max_query_pieces: int = MAX_QUERY_PIECES
     _vectors: "OrderedDict[str, Vector]" = field(default_factory=OrderedDict, init=False, repr=False)
     _scorer: Any = field(default=None, init=False, repr=False)
 
@@ -121,7 +124,6 @@ class ImpactReranker:
             top_k, beta, source = deployed_impact_settings(self.checkpoint)
             self.config = ImpactConfig(top_k=top_k, explicit_weight=beta)
             self.settings_source = source or "ImpactConfig defaults"
-        self.max_query_len = int(model_config.get("max_query_len", 30))
         self.encoder = model_config.get("encoder")
         self.shards = shards_for_checkpoint(self.workdir, checkpoint_digest(self.checkpoint))
         self.stored = StoredImpacts.read(self.shards) if self.shards else None
@@ -139,11 +141,12 @@ class ImpactReranker:
     @property
     def settings(self) -> dict:
         """The top-k and β of the impact vectors and where they came from (what an evaluation records)."""
+        terms = {"reranker_query_terms": query_terms_setting(self.analyze_queries, self.max_query_pieces)}
         if self.shards:
             return {"reranker_impact": recorded_settings(read_json(marker_path(self.shards[0])),
-                                                         f"impact shards {impact_shards_dir(self.workdir)}")}
+                                                         f"impact shards {impact_shards_dir(self.workdir)}"), **terms}
         return {"reranker_impact": {"top_k": self.config.top_k, "explicit_weight": self.config.explicit_weight,
-                                    "source": self.settings_source}}
+                                    "source": self.settings_source}, **terms}
 
     def _compute(self, doc_ids: list[str]) -> None:
         if self._scorer is None:
@@ -181,7 +184,7 @@ class ImpactReranker:
 
     def score(self, query: str, doc_ids: Sequence[str]) -> list[float]:
         """S_qd of one query against each document."""
-        bag = query_term_counts([query], self.max_query_len, self.encoder)[0]
+        bag = query_term_counts([query], self.encoder, self.analyze_queries, self.max_query_pieces)[0]
         return [impact_score(bag, vec) for vec in self.vectors(doc_ids)]
 
     def rerank(self, queries: Mapping[str, str], run: Run, depth: int = 100) -> Run:

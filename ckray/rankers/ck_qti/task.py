@@ -102,7 +102,7 @@ class CKTask(RankerTask):
         def impact_scores(queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
             new = [d for d in dict.fromkeys(docs) if d not in vectors]
             vectors.update({d: impact_vector(t, w) for d, (t, w) in zip(new, scorer.score_texts(new))})
-            bags = query_term_counts(queries, self.config.max_query_len, self.config.encoder)
+            bags = query_term_counts(queries, self.config.encoder)
             return torch.tensor([impact_score(bag, vectors[d]) for bag, d in zip(bags, docs)], dtype=torch.float32)
 
         return impact_scores
