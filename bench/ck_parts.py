@@ -46,10 +46,9 @@ def part_scores(model, bag: dict[int, int], texts: list[str]) -> tuple[dict[str,
     ids, mask = model.tokenize_documents(texts)
     with torch.no_grad():
         doc = model.encode_documents(ids.to(model.device), mask.to(model.device))
-        alpha = torch.sigmoid(model.alpha_logit)
-        explicit = alpha * model.explicit_scores(terms.to(model.device).expand(len(texts), -1), doc)
-        implicit = (1 - alpha) * model.implicit_scores(model.encode_query_terms(terms.to(model.device)), doc)
-        s_td = torch.relu(explicit + implicit + model.bias)  # = model._combine: Σ_t of it is forward's S_qd
+        terms = terms.to(model.device)
+        explicit, implicit = model.weighted_parts(terms.expand(len(texts), -1), model.encode_query_terms(terms), doc)
+        s_td = torch.relu(explicit + implicit + model.bias)  # Σ_t of it is forward's S_qd
     scores = {"model": s_td.sum(-1), "explicit": explicit.sum(-1), "implicit": implicit.sum(-1)}
     return {k: v.float().cpu().numpy() for k, v in scores.items()}, doc.length.cpu().numpy()
 

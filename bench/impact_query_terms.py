@@ -50,9 +50,10 @@ def main() -> None:
     from ckray.models.checkpoint import read_checkpoint_config
     from ckray.rankers.ck_qti.impact import ImpactRetriever, impact_index_dir
     from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
+    from ckray.rankers.ck_qti.model import CKConfig
     from ckray.ray_env import init_ray
 
-    max_query_len = int(read_checkpoint_config(checkpoint)["config"].get("max_query_len", 30))
+    max_query_len = int(read_checkpoint_config(checkpoint)["config"].get("max_query_len", CKConfig.max_query_len))
     splits = measurement_splits(data, args.split)
     init_ray()  # before the JVM: Ray's crash handler, installed after it, turns the JVM's own SIGSEGVs fatal
     first = {name: bm25_retriever(w).search(qs, k=100) for name, (qs, _) in splits.items()}

@@ -594,13 +594,18 @@ class CKModel(nn.Module):
         lam = torch.sigmoid(self.len_norm_logit)
         return (f * valid[:, None, :]).sum(-1) / n_valid[:, None] ** lam
 
+    def weighted_parts(self, term_ids: torch.Tensor, term_vectors: torch.Tensor, doc: DocRepr,
+                       term_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two terms inside s_td's ReLU: ``(α·s_explicit, (1−α)·s_implicit)``, each [B, T]."""
+        alpha = torch.sigmoid(self.alpha_logit)
+        return (alpha * self.explicit_scores(term_ids, doc, term_mask),
+                (1 - alpha) * self.implicit_scores(term_vectors, doc))
+
     def _combine(self, term_ids: torch.Tensor, term_vectors: torch.Tensor, doc: DocRepr,
                  term_mask: torch.Tensor | None) -> torch.Tensor:
         """s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b)  [B, T]."""
-        alpha = torch.sigmoid(self.alpha_logit)
-        s_exp = self.explicit_scores(term_ids, doc, term_mask)
-        s_imp = self.implicit_scores(term_vectors, doc)
-        return F.relu(alpha * s_exp + (1 - alpha) * s_imp + self.bias)
+        explicit, implicit = self.weighted_parts(term_ids, term_vectors, doc, term_mask)
+        return F.relu(explicit + implicit + self.bias)
 
     def term_scores(self, term_ids: torch.Tensor, doc: DocRepr, term_mask: torch.Tensor | None = None,
                     chunk_size: int = 256) -> torch.Tensor:
