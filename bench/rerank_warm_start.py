@@ -15,7 +15,8 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
   pass, the [CLS] vectors scored by each head; ``qds-pooled/warm``: the pooled head's step-0 score
   (γ · cos of the mean query and document vectors, ``head="pooled"``) from the same pass, and with
   ``--pooled-patterns`` under the ablation patterns too (how much the query's global attention to the
-  document costs the cosine).
+  document costs the cosine); ``qds-maxsim/warm``: the MaxSim head's step-0 score (γ · ColBERT's MaxSim,
+  ``head="maxsim"``) from the same pass.
 
 The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) are fitted on
 ``--probe-triples`` (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of
@@ -126,15 +127,16 @@ def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torc
 
 def qds_scores(queries, pairs, texts, probe, batch_size: int, pooled_patterns: list[str]) -> dict[str, torch.Tensor]:
     """One QDS encoding of every pair: its [CLS] vectors scored by the random head and by the
-    probe-fitted warm head, and the warm pooled head's score (``pooled_similarity``); the pooled head
+    probe-fitted warm head, and the warm pooled and MaxSim heads' scores; the pooled head
     also under each attention pattern of ``pooled_patterns`` other than "qds" (one more pass each)."""
-    from ckray.rankers.qds.model import POOLED_SCALE, QDSConfig, QDSTransformer, pooled_similarity
+    from ckray.rankers.qds.model import (POOLED_SCALE, QDSConfig, QDSTransformer, maxsim_similarity,
+                                         pooled_similarity)
 
     out: dict[str, torch.Tensor] = {}
     for pattern in dict.fromkeys(["qds", *pooled_patterns]):
         torch.manual_seed(0)
         model = QDSTransformer(QDSConfig(**{**QDS_SETTINGS, "pattern": pattern})).eval()
-        cls, pooled = [], []
+        cls, pooled, maxsim = [], [], []
         with torch.no_grad():
             for i in range(0, len(pairs), batch_size):
                 chunk = pairs[i:i + batch_size]
@@ -142,8 +144,10 @@ def qds_scores(queries, pairs, texts, probe, batch_size: int, pooled_patterns: l
                 hidden = model.encode(batch)
                 cls.append(hidden[:, 0].float())
                 pooled.append(POOLED_SCALE * pooled_similarity(hidden, batch))
+                maxsim.append(POOLED_SCALE * maxsim_similarity(hidden, batch))
             out["qds-pooled/warm" if pattern == "qds" else f"qds-{pattern}-pooled/warm"] = torch.cat(pooled)
             if pattern == "qds":
+                out["qds-maxsim/warm"] = torch.cat(maxsim)
                 cls_vectors = torch.cat(cls)
                 out["qds/random"] = model.score(cls_vectors).squeeze(-1)
                 model.warm_start_head(*map(list, zip(*probe)), batch_size=batch_size)

@@ -302,13 +302,25 @@ def test_warm_start_needs_triples_and_a_known_head_init():
         m.warm_start_head(QUERIES, DOCS, DOCS[:1])
 
 
-def test_pooled_head_starts_as_the_scaled_cosine_of_mean_query_and_document_vectors(tmp_path):
-    """head="pooled", warm: w = 0, b = 0, γ = 20, so the step-0 score is 20 · cos(q̄, d̄) of the joint
-    encoding, computed here by hand from the token positions; no training triple is needed."""
+def _similarity_by_hand(head: str, query_vectors: torch.Tensor, doc_vectors: torch.Tensor) -> torch.Tensor:
+    """The similarity term of a head, from the query's and the document's final vectors [m, h], [k, h]."""
+    if head == "pooled":                                         # cos(q̄, d̄)
+        return torch.nn.functional.cosine_similarity(query_vectors.mean(0), doc_vectors.mean(0), dim=0)
+    unit_q = torch.nn.functional.normalize(query_vectors, dim=-1)   # (1/m) Σ_i max_j cos(q_i, d_j)
+    unit_d = torch.nn.functional.normalize(doc_vectors, dim=-1)
+    return (unit_q @ unit_d.T).max(dim=1).values.mean()
+
+
+@pytest.mark.parametrize("head", ["pooled", "maxsim"])
+def test_similarity_heads_start_as_their_scaled_similarity_of_query_and_document_vectors(tmp_path, head):
+    """head="pooled" / "maxsim", warm: w = 0, b = 0, γ = 20, so the step-0 score is 20 · cos(q̄, d̄) /
+    20 · ColBERT's MaxSim of the joint encoding, computed here by hand from the token positions (the
+    batch holds queries of different lengths, so padding rows are tested too); no training triple is
+    needed; the checkpoint keeps the head."""
     from ckray.rankers.qds.model import POOLED_SCALE
 
     torch.manual_seed(0)
-    task = QDSTask(model_config=tiny(head="pooled", head_init="warm"))
+    task = QDSTask(model_config=tiny(head=head, head_init="warm"))
     assert not task.needs_warm_triples
     m = task.build_model().eval()
     assert float(m.similarity_scale) == POOLED_SCALE and torch.all(m.score.weight == 0)
@@ -316,37 +328,38 @@ def test_pooled_head_starts_as_the_scaled_cosine_of_mean_query_and_document_vect
     with torch.no_grad():
         hidden = m.encode(batch)
         scores = m(batch)
-    for i, (query, doc) in enumerate(zip(QUERIES, DOCS)):
-        q_len = len(m.tokenizer(query, add_special_tokens=False)["input_ids"])
+    q_lens = [len(m.tokenizer(query, add_special_tokens=False)["input_ids"]) for query in QUERIES]
+    assert len(set(q_lens)) > 1
+    for i, q_len in enumerate(q_lens):
         ids = batch["input_ids"][i]
         n = int(batch["attention_mask"][i].sum())
         doc_positions = [j for j in range(q_len + 2, n) if int(ids[j]) != m.tokenizer.convert_tokens_to_ids("[unused1]")]
-        q_bar, d_bar = hidden[i, 1: q_len + 1].mean(0), hidden[i, doc_positions].mean(0)
-        expected = POOLED_SCALE * torch.nn.functional.cosine_similarity(q_bar, d_bar, dim=0)
+        expected = POOLED_SCALE * _similarity_by_hand(head, hidden[i, 1: q_len + 1], hidden[i, doc_positions])
         torch.testing.assert_close(scores[i], expected, atol=1e-5, rtol=1e-5)
     save_model(m, tmp_path / "qds")
     loaded = load_model(tmp_path / "qds")
-    assert loaded.config.head == "pooled"
+    assert loaded.config.head == head
     torch.testing.assert_close(loaded.score_texts(QUERIES, DOCS), m.score_texts(QUERIES, DOCS), atol=0, rtol=0)
 
 
-def test_pooled_head_from_random_is_the_papers_cls_head_and_trains_its_scale():
+@pytest.mark.parametrize("head", ["pooled", "maxsim"])
+def test_similarity_head_from_random_is_the_papers_cls_head_and_trains_its_scale(head):
     """head_init="random": γ starts at 0, so the score is the paper's w · h_[CLS] + b of the same
     weights; γ is a head parameter (the head's learning rate) and gets a gradient."""
     torch.manual_seed(0)
     cls_model = QDSTransformer(tiny()).eval()
-    pooled = QDSTransformer(tiny(head="pooled"))
+    similarity_model = QDSTransformer(tiny(head=head))
     state = cls_model.state_dict()
-    pooled.load_state_dict({**state, "similarity_scale": torch.zeros(1)})
-    pooled.eval()
+    similarity_model.load_state_dict({**state, "similarity_scale": torch.zeros(1)})
+    similarity_model.eval()
     batch = cls_model.build_batch(QUERIES, DOCS)
-    torch.testing.assert_close(pooled(batch), cls_model(batch), atol=1e-6, rtol=1e-6)
-    task = QDSTask(model_config=tiny(head="pooled"), head_lr_multiplier=10.0)
-    groups = task.param_groups(pooled, lr=1e-4, weight_decay=0.01)
+    torch.testing.assert_close(similarity_model(batch), cls_model(batch), atol=1e-6, rtol=1e-6)
+    task = QDSTask(model_config=tiny(head=head), head_lr_multiplier=10.0)
+    groups = task.param_groups(similarity_model, lr=1e-4, weight_decay=0.01)
     head_group = [g for g in groups if g.get("lr") == 1e-3]
-    assert any(p is pooled.similarity_scale for g in head_group for p in g["params"])
-    pooled(batch).sum().backward()
-    assert pooled.similarity_scale.grad is not None and float(pooled.similarity_scale.grad) != 0.0
+    assert any(p is similarity_model.similarity_scale for g in head_group for p in g["params"])
+    similarity_model(batch).sum().backward()
+    assert similarity_model.similarity_scale.grad is not None and float(similarity_model.similarity_scale.grad) != 0.0
     with pytest.raises(ConfigError, match="head must be one of"):
         tiny(head="mean")
 

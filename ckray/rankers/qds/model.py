@@ -31,13 +31,19 @@ Score heads (``head``):
   query's and the document's word pieces in the same joint encoding, γ a learned scalar. MiniLM was
   trained as a bi-encoder on exactly this cosine (mean pooling, scale 20), so the term ranks before
   any fine-tuning; the [CLS] term learns what it adds. The attention is the paper's either way.
+* ``"maxsim"``: ``s = w · h_[CLS] + b + γ · (1/m) Σ_i max_j cos(h_qi, h_dj)``, the late interaction of
+  ColBERT (Khattab & Zaharia 2020, Eq. 3; here the mean over the m query word pieces, not the sum) read
+  from the same joint encoding: each query word piece's best-matching document word piece. Unlike the
+  pooled cosine it does not average the query's vectors, which QDS's global attention has mixed with
+  the whole document, into one; at step 0 it ranks level with the zero-shot MiniLM bi-encoder on
+  SciFact dev, the pooled cosine well below it (docs/results.md, "Warm-started cross-encoders").
 
 Warm start (``head_init="warm"``; ``"random"``: the paper's N(0, 0.02) head, and γ = 0). With
 ``head="cls"`` the head's initial weight is the pairwise probe of a few training triples
 (``QDSTransformer.warm_start_head``, ``ckray.models.losses.pairwise_probe``): the linear function of
 the untrained model's [CLS] vector that best orders each d+ above its d−, bias 0, fitted by the
-training task before step 0. With ``head="pooled"`` w = 0, b = 0 and γ = 20: the step-0 score is the
-pooled cosine, and no training triple is needed. Only initial values change.
+training task before step 0. With ``head="pooled"`` or ``"maxsim"`` w = 0, b = 0 and γ = 20: the step-0
+score is that similarity, and no training triple is needed. Only initial values change.
 
 With a window covering the whole sequence the model is exactly BERT on ``[CLS] q [SEP] d [SEP]``
 (plus the [SOS] tokens), which ``tests/test_qds_model.py`` checks. Encoders: BERT-family models
@@ -70,8 +76,9 @@ from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 # ---------------------------------------------------------------------------------------------
 
 HEAD_INITS = ("warm", "random")
-HEADS = ("cls", "pooled")
-POOLED_SCALE = 20.0   # γ of a warm "pooled" head: the cosine scale MiniLM's bi-encoder was trained at
+HEADS = ("cls", "pooled", "maxsim")
+SIMILARITY_HEADS = ("pooled", "maxsim")   # the heads with a γ · similarity term
+POOLED_SCALE = 20.0   # γ of a warm similarity head: the cosine scale MiniLM's bi-encoder was trained at
 
 @dataclass
 class QDSConfig:
@@ -90,8 +97,8 @@ class QDSConfig:
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
     frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
                       (``ckray.models.encoders.freeze_bottom_layers``): less backward work per pair.
-    head:             "cls" (the paper's ``w · h_[CLS] + b``) or "pooled" (plus ``γ · cos(q̄, d̄)``,
-                      module docstring).
+    head:             "cls" (the paper's ``w · h_[CLS] + b``), "pooled" (plus ``γ · cos(q̄, d̄)``) or
+                      "maxsim" (plus γ · ColBERT's MaxSim), module docstring.
     head_init:        "warm" (the score head fitted by ``warm_start_head`` before training, module
                       docstring) or "random"; recorded so a checkpoint says how its training started.
     pretrained:       load pretrained encoder weights in ``__init__``. A constructed model records the
@@ -208,7 +215,8 @@ def encode_pairs(tokenizer, queries: Sequence[str], docs: Sequence[str], config:
 # ---------------------------------------------------------------------------------------------
 
 class QDSTransformer(nn.Module):
-    """BERT layers with QDS attention; ``score = w · h_[CLS] + b`` (``+ γ · cos(q̄, d̄)`` with ``head="pooled"``)."""
+    """BERT layers with QDS attention; ``score = w · h_[CLS] + b`` (``+ γ · similarity`` with ``head="pooled"``
+    or ``"maxsim"``)."""
 
     def __init__(self, config: QDSConfig | None = None):
         super().__init__()
@@ -222,7 +230,7 @@ class QDSTransformer(nn.Module):
         self.score = nn.Linear(hidden, 1)
         nn.init.normal_(self.score.weight, std=bert.config.initializer_range)
         nn.init.zeros_(self.score.bias)
-        if config.head == "pooled":
+        if config.head in SIMILARITY_HEADS:
             warm = config.head_init == "warm"
             # shape [1], not a 0-dim scalar: DeepSpeed broadcasts parameters as byte views
             self.similarity_scale = nn.Parameter(torch.full((1,), POOLED_SCALE if warm else 0.0))
@@ -246,8 +254,8 @@ class QDSTransformer(nn.Module):
         return self.score.weight.device
 
     def head_parameters(self) -> list[nn.Parameter]:
-        """The score head's parameters: ``w``, ``b`` and, with ``head="pooled"``, ``γ``."""
-        return [*self.score.parameters(), *([self.similarity_scale] if self.config.head == "pooled" else [])]
+        """The score head's parameters: ``w``, ``b`` and, with a similarity head, ``γ``."""
+        return [*self.score.parameters(), *([self.similarity_scale] if self.config.head in SIMILARITY_HEADS else [])]
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -291,8 +299,9 @@ class QDSTransformer(nn.Module):
         """Relevance scores ``[B]`` of a batch from ``encode_pairs`` (or ``build_batch``)."""
         hidden = self.encode(batch)
         score = self.score(self.dropout(hidden[:, 0])).squeeze(-1)
-        if self.config.head == "pooled":
-            score = score + self.similarity_scale * pooled_similarity(hidden, batch)
+        if self.config.head in SIMILARITY_HEADS:
+            similarity = pooled_similarity if self.config.head == "pooled" else maxsim_similarity
+            score = score + self.similarity_scale * similarity(hidden, batch)
         return score
 
     def cls_vectors(self, queries: Sequence[str], docs: Sequence[str], batch_size: int = 8) -> torch.Tensor:
@@ -347,14 +356,33 @@ class QDSTransformer(nn.Module):
             self.train(was_training)
 
 
-def pooled_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``cos(q̄, d̄)`` ``[B]``: the means of the final vectors of the query's word pieces (the global
-    tokens after [CLS]) and of the document's (segment 1, [SOS] tokens left out), in fp32."""
-    hidden = hidden.float()
-    query_mask = batch["global_mask"].to(hidden.device).clone()
+def query_and_document_masks(batch: Mapping[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, n]`` masks of the query's word pieces (the global tokens after [CLS]) and of the
+    document's (segment 1 less the [SOS] tokens: its word pieces and the closing [SEP])."""
+    query_mask = batch["global_mask"].to(device).clone()
     query_mask[:, 0] = False                                                     # [CLS]
-    doc_mask = ((batch["token_type_ids"] == 1) & batch["attention_mask"] & ~batch["sentence_mask"]).to(hidden.device)
+    doc_mask = (batch["token_type_ids"] == 1) & batch["attention_mask"] & ~batch["sentence_mask"]
+    return query_mask, doc_mask.to(device)
+
+
+def pooled_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``cos(q̄, d̄)`` ``[B]``: the means of the final vectors of the query's and of the document's word
+    pieces, in fp32."""
+    hidden = hidden.float()
+    query_mask, doc_mask = query_and_document_masks(batch, hidden.device)
     return torch.nn.functional.cosine_similarity(mean_pool(hidden, query_mask), mean_pool(hidden, doc_mask), dim=-1)
+
+
+def maxsim_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``(1/m) Σ_i max_j cos(h_qi, h_dj)`` ``[B]`` (ColBERT's Eq. 3, averaged over the m query word
+    pieces) of the final vectors, in fp32."""
+    query_mask, doc_mask = query_and_document_masks(batch, hidden.device)
+    unit = torch.nn.functional.normalize(hidden.float(), dim=-1)
+    m = int(query_mask.any(dim=0).nonzero().max()) + 1 if query_mask.any() else 1   # query rows lie in [0, m)
+    cos = unit[:, :m] @ unit.transpose(1, 2)                                     # [B, m, n]
+    best = cos.masked_fill(~doc_mask[:, None, :], -1.0).max(dim=-1).values       # [B, m]: best document match
+    query_mask = query_mask[:, :m].to(best.dtype)
+    return (best * query_mask).sum(dim=1) / query_mask.sum(dim=1).clamp(min=1.0)
 
 
 def _extend_positions(bert: nn.Module, max_length: int) -> None:

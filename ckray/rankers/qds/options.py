@@ -19,14 +19,15 @@ class QDSOptions:
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
     frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
                                    "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
-    head_init: str = option("warm", "how the score head starts: the pooled cosine, or with --head cls fitted to the "
+    head_init: str = option("warm", "how the score head starts: its similarity term, or with --head cls fitted to the "
                                     "first training triples, before step 0 (warm); the paper's random "
                                     "initialisation, γ = 0 (random)",
                             choices=("warm", "random"))
-    head: str = option("pooled", "score head: w · h_[CLS] + b plus γ · cos of the mean query and document vectors "
-                                 "of the joint encoding (pooled; warm: starts as that cosine), or the paper's "
-                                 "w · h_[CLS] + b alone (cls)", choices=("pooled", "cls"))
-    head_lr_multiplier: float = option(1.0, "train the score head (w, b and the pooled head's γ) this many times "
+    head: str = option("maxsim", "score head: w · h_[CLS] + b plus γ · cos of the mean query and document vectors "
+                                 "of the joint encoding (pooled), plus γ · ColBERT's MaxSim of them (maxsim), "
+                                 "or the paper's w · h_[CLS] + b alone (cls); warm, the first two start as "
+                                 "their similarity", choices=("pooled", "maxsim", "cls"))
+    head_lr_multiplier: float = option(1.0, "train the score head (w, b and a similarity head's γ) this many times "
                                             "faster than the encoder")
 
     @property
