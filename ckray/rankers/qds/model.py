@@ -375,7 +375,8 @@ def pooled_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -
 
 def maxsim_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``(1/m) Σ_i max_j cos(h_qi, h_dj)`` ``[B]`` (ColBERT's Eq. 3, averaged over the m query word
-    pieces) of the final vectors, in fp32."""
+    pieces) of the final vectors, cast to fp32 (under bf16 autocast the cosine matrix is a bf16 matmul,
+    as every matmul is there)."""
     query_mask, doc_mask = query_and_document_masks(batch, hidden.device)
     unit = torch.nn.functional.normalize(hidden.float(), dim=-1)
     m = int(query_mask.any(dim=0).nonzero().max()) + 1 if query_mask.any() else 1   # query rows lie in [0, m)
