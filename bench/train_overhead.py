@@ -47,7 +47,7 @@ import torch
 
 from ckray.data.examples import DevSet
 from ckray.training import RankerTask, TrainConfig
-from ckray.training.loop import _effective_zero_stage, _seed_everything, fit, lr_factor, weight_decay_groups
+from ckray.training.loop import _effective_zero_stage, _seed_everything, fit, lr_schedule, weight_decay_groups
 
 
 @dataclass
@@ -140,7 +140,7 @@ def plain_loop(task: BenchTask, table: pa.Table, cfg: TrainConfig) -> None:
     model = task.build_model()
     model.train()
     opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
+    sched = lr_schedule(opt, cfg)
     columns = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
     for step in range(cfg.max_steps):
         lo = step * cfg.batch_size

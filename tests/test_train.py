@@ -23,7 +23,7 @@ from ckray.errors import ConfigError, MissingArtifactError
 from ckray.eval import ndcg_at_10
 from ckray.models.checkpoint import load_model
 from ckray.training import (METRIC, STATE_FILE, RankerTask, TrainConfig, add_train_args, config_from_args,
-                            fit, lr_factor, verify_checkpoint)
+                            fit, lr_factor, lr_schedule, verify_checkpoint)
 
 # Workers unpickle the task and model classes; this test module is not importable there, so its
 # classes travel by value.
@@ -362,11 +362,36 @@ def test_lost_worker_restarts_from_last_checkpoint(trained):
 # ---------------------------------------------------------------------------------------------
 
 def test_lr_schedule_warms_up_then_decays_linearly():
-    f = [lr_factor(s, warmup_steps=4, max_steps=12) for s in range(12)]
+    f = [lr_factor(s, warmup_steps=4, schedule_steps=12) for s in range(12)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
     assert f[4] == 1.0 and f[11] == pytest.approx(1 / 8)
     assert all(a > b for a, b in zip(f[4:], f[5:]))
     assert lr_factor(0, 0, 10) == 1.0 and lr_factor(10, 0, 10) == 0.0
+
+
+def _learning_rates(cfg: TrainConfig, steps: int) -> list[float]:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = lr_schedule(optimizer, cfg)
+    rates = []
+    for _ in range(steps):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_a_longer_schedule_stops_training_partway_down_its_decay():
+    """--max-steps 10 --schedule-steps 20 trains the first half of the 20-step schedule: the learning
+    rates of those steps of --max-steps 20, ending half-way down rather than near zero."""
+    half = _learning_rates(TrainConfig(max_steps=10, schedule_steps=20, warmup_steps=2), 10)
+    full = _learning_rates(TrainConfig(max_steps=20, warmup_steps=2), 20)
+    assert half == pytest.approx(full[:10])
+    assert half[-1] == pytest.approx(11 / 18)
+    assert _learning_rates(TrainConfig(max_steps=10, warmup_steps=2), 10)[-1] == pytest.approx(1 / 8)
+    assert TrainConfig(max_steps=1000, schedule_steps=2000).schedule_steps == 2000
+    assert TrainConfig(max_steps=1000).schedule_steps == 0     # 0: the schedule ends at max_steps
+    with pytest.raises(ConfigError, match="schedule_steps must be 0 .* or >= max_steps \\(1000\\), got 500"):
+        TrainConfig(max_steps=1000, schedule_steps=500)
 
 
 def test_one_worker_runs_deepspeed_without_partitioning():

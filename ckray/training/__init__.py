@@ -32,7 +32,8 @@ _EXPORTS: dict[str, str] = {   # public name -> the module defining it
     "PRECISIONS": "config", "TrainConfig": "config",
     "TRAIN_FLAGS": "flags", "add_train_args": "flags", "config_from_args": "flags", "parse_resources": "flags",
     "METRIC": "task", "TRIPLE_COLUMNS": "task", "RankerTask": "task", "TrainResult": "task",
-    "TRAIN_DATASET": "loop", "fit": "loop", "lr_factor": "loop", "weight_decay_groups": "loop",
+    "TRAIN_DATASET": "loop", "fit": "loop", "lr_factor": "loop", "lr_schedule": "loop",
+    "weight_decay_groups": "loop",
     "ATTEMPTS_DIR": "checkpointing", "DS_TAG": "checkpointing", "STATE_FILE": "checkpointing",
     "consolidate": "checkpointing", "verify_checkpoint": "checkpointing",
 }

@@ -32,6 +32,8 @@ class TrainConfig:
     weight_decay: float = option(0.01, "AdamW weight decay (none on biases and norms)")
     warmup_steps: int = option(0, "linear warm-up steps")
     max_steps: int = option(1000, "optimizer steps in all (a finished run is not trained again)")
+    schedule_steps: int = option(0, "step at which the linear decay reaches zero (0: --max-steps); larger than "
+                                    "--max-steps, training stops partway down that longer schedule")
     eval_every: int = option(100, "validate on dev every N steps (0: only at the end)")
     seed: int = option(42, "random seed (model initialisation, data order)")
     max_failures: int = option(2, "worker-group restarts from the latest checkpoint (-1: forever)")
@@ -75,6 +77,8 @@ class TrainConfig:
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
             ("warmup_steps", 0 <= self.warmup_steps, "must be >= 0"),
             ("max_steps", self.max_steps >= 1, "must be >= 1"),
+            ("schedule_steps", self.schedule_steps == 0 or self.schedule_steps >= self.max_steps,
+             f"must be 0 (= max_steps) or >= max_steps ({self.max_steps})"),
             ("eval_every", self.eval_every >= 0, "must be >= 0 (0: validate only at the end)"),
             ("max_failures", self.max_failures >= -1, "must be >= -1 (-1: retry forever)"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0 (0: no clipping)"),

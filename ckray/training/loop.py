@@ -277,8 +277,7 @@ def _train_worker(loop_config: dict) -> None:
     groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or weight_decay_groups(model.parameters(),
                                                                                          cfg.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
+    scheduler = lr_schedule(optimizer, cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=_deepspeed_config(cfg, world))
     if torch.cuda.is_available() and engine.device != ray.train.torch.get_device():
@@ -448,12 +447,19 @@ def weight_decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: floa
                         {"params": no_decay, "weight_decay": 0.0, **extra}) if g["params"]]
 
 
-def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
+def lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule: :func:`lr_factor` with ``cfg``'s warm-up, decaying to zero at
+    ``cfg.schedule_steps`` (0: at ``cfg.max_steps``)."""
+    end = cfg.schedule_steps or cfg.max_steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg.warmup_steps, end))
+
+
+def lr_factor(step: int, warmup_steps: int, schedule_steps: int) -> float:
     """LR multiplier for optimizer step ``step`` (0-based): linear warm-up to 1, then linear decay
-    that reaches 0 just after ``max_steps``."""
+    that reaches 0 just after ``schedule_steps`` (``TrainConfig.schedule_steps``, else ``max_steps``)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    return max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
+    return max(0.0, (schedule_steps - step) / max(1, schedule_steps - warmup_steps))
 
 
 def _autocast(precision: str, device: torch.device) -> Any:
