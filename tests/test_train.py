@@ -236,6 +236,13 @@ def test_resume_continues_at_the_right_step(trained):
     assert second.history[4]["loss"] < 0.5 * first.history[1]["loss"]
     assert second.best_metric >= first.best_metric - 1e-9
     assert load_model(second.best_checkpoint) is not None
+    # the LR schedule is restored with the rest of the state (also after the crash at step 45): every
+    # step has the learning rate of its own run's schedule, the resumed steps those of an uninterrupted
+    # 2 * STEPS-step run, not of a schedule restarted at step STEPS
+    for h in first.history[1:]:
+        assert h["lr"] == pytest.approx(0.05 * lr_factor(h["step"], 3, STEPS)), h
+    for h in second.history[len(first.history):]:
+        assert h["lr"] == pytest.approx(0.05 * lr_factor(h["step"], 3, 2 * STEPS)), h
 
 
 @pytest.mark.slow
