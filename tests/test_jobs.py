@@ -105,6 +105,36 @@ def test_stage_job_main_exits_0_after_the_stage_and_2_on_a_ckray_error(monkeypat
     assert exit_.value.code == 2 and not (tmp_path / "w").exists()
 
 
+def test_quiet_local_workers_drops_only_the_state_api_warning(caplog):
+    import logging
+
+    from ckray.ray_env import PLACEMENT_GROUP_CLEANER_LOGGER, STATE_API_UNAVAILABLE, quiet_local_workers
+
+    quiet_local_workers()
+    cleaner = logging.getLogger(PLACEMENT_GROUP_CLEANER_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=PLACEMENT_GROUP_CLEANER_LOGGER):
+        cleaner.warning(STATE_API_UNAVAILABLE + ". State API may be temporarily unavailable. Continuing to monitor.")
+        cleaner.warning("Detected that the Ray Train controller actor (a1) is dead. Cleaning up placement group")
+    assert [r.getMessage()[:30] for r in caplog.records] == ["Detected that the Ray Train co"]
+
+
+@pytest.mark.slow
+def test_training_script_on_a_local_ray_shows_progress_without_state_api_warnings(tmp_path):
+    """A training job run as a plain script starts a local Ray without a dashboard, so without a State
+    API; Ray Train's placement-group cleaner would log a warning about it every second, burying the
+    progress lines (``ckray.ray_env.quiet_local_workers`` drops exactly that warning)."""
+    from ckray.ray_env import STATE_API_UNAVAILABLE
+
+    data = generate_sample(tmp_path / "data")
+    p = run([sys.executable, "jobs/train_ck.py", "--data", str(data), "--workdir", str(tmp_path / "w"),
+             "--workers", "1", "--max-steps", "4", "--eval-every", "2", "--log-every", "2", "--batch-size", "2",
+             "--layers", "1", "--max-doc-len", "128", "--max-dev-queries", "5", "--dev-depth", "10"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "step 4/4" in out and "ex/s" in out
+    assert STATE_API_UNAVAILABLE not in out
+
+
 @pytest.mark.slow
 def test_ray_job_submit_to_a_local_head(ray_head, tmp_path):
     data = generate_sample(tmp_path / "data")
