@@ -36,12 +36,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    env: dict = {"env_vars": {k: v for k, v in RUNTIME_ENV_VARS.items()}}
     if address:
         ray.init(address=address, log_to_driver=True)
         log.info("connected to Ray at %s", address)
     else:
         cpus = num_cpus or max(4, os.cpu_count() or 1)
-        env["worker_process_setup_hook"] = f"{__name__}.quiet_local_workers"
+        env = {"env_vars": dict(RUNTIME_ENV_VARS), "worker_process_setup_hook": f"{__name__}.quiet_local_workers"}
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env)
         log.info("started a local Ray with %d logical CPUs", cpus)
