@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -53,6 +52,7 @@ import torch
 from ckray.batch_inference import ckray_cause as _find_ckray_error  # out of Ray's wrappers
 from ckray.data.examples import DevSet
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
+from ckray.ray_env import init_ray
 from ckray.training.checkpointing import (_attempt_starts, _check_resumable, _initial_weights, _record_attempt,
                                           _remove_run_dir, _restore, _save, _storage_path, _stored_result,
                                           consolidate, resume_checkpoint, verify_checkpoint, workers_lost)
@@ -102,7 +102,7 @@ def fit(task: RankerTask, triples: pa.Table | Any, dev: DevSet, config: TrainCon
                               f"= {config.workers * config.batch_size}")
     if config.init_from:
         _initial_weights(task, config.init_from)  # a missing or unfitting checkpoint fails here, not in a worker
-    _ensure_ray()
+    init_ray()   # RAY_ADDRESS when set, else a local Ray; a no-op when one is running
     dataset = _as_dataset(triples)
     run_name = config.run_name or task.name
     storage = _storage_path(config.storage_dir)
@@ -208,18 +208,6 @@ def _first_failure(exc: BaseException) -> str:
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     what = lines[-1] if lines else type(error).__name__
     return f"worker {rank}: {what}" if rank is not None else what
-
-
-def _ensure_ray() -> None:
-    """Connect to ``RAY_ADDRESS`` when set, else start a local Ray; no-op when already initialised.
-
-    ``address="local"``: a bare ``ray.init()`` would attach to any head a ``ray start`` left running
-    on this machine (someone else's, possibly)."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local",
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
 
 
 def _as_dataset(triples: Any) -> Any:
