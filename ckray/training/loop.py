@@ -240,7 +240,6 @@ def _check_columns(names: list[str]) -> None:
 
 def _train_worker(loop_config: dict) -> None:
     """The per-worker training function run by ``TorchTrainer``."""
-    import deepspeed
     import ray.train
     import ray.train.torch
 
@@ -262,16 +261,11 @@ def _train_worker(loop_config: dict) -> None:
         model.load_state_dict(_initial_weights(task, cfg.init_from, model), strict=False)
     if not dataclasses.is_dataclass(getattr(model, "config", None)):
         raise ConfigError(f"{type(model).__name__} needs a dataclass `config` attribute (see ckray.models.checkpoint)")
-    groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or weight_decay_groups(model.parameters(),
-                                                                                         cfg.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
-    scheduler = lr_schedule(optimizer, cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=_deepspeed_config(cfg, world))
+    engine = build_engine(task, model, cfg, world)
     if torch.cuda.is_available() and engine.device != ray.train.torch.get_device():
         _LOG.warning(f"{tag} rank {rank}: DeepSpeed placed the model on {engine.device} (LOCAL_RANK) but "
                      f"Ray assigned {ray.train.torch.get_device()}")
-    autocast = _autocast(cfg.precision, engine.device)
+    autocast = precision_context(cfg.precision, engine.device)
 
     state: dict[str, Any] = {
         "task": task.name, "step": 0, "epoch": 0, "batch_in_epoch": 0, "world_size": world,
@@ -313,12 +307,7 @@ def _train_worker(loop_config: dict) -> None:
     while state["step"] < cfg.max_steps:
         for _ in range(cfg.grad_accum):
             epoch, position, rows = next(batches)
-            batch = _to_device(task.collate(rows), engine.device)
-            with autocast:
-                loss = task.loss(engine.module, batch)
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float()   # summed on the device: no host sync per micro-batch
+            loss_sum += train_micro_batch(engine, task, rows, autocast).float()   # on the device: no host sync
             loss_n += 1
             state["epoch"], state["batch_in_epoch"] = epoch, position
         state["step"] += 1
@@ -350,6 +339,36 @@ def _train_worker(loop_config: dict) -> None:
             interval_loss.zero_()
             steps_since_eval = 0
             t_log = t_interval = time.time()
+
+
+def build_engine(task: RankerTask, model: torch.nn.Module, cfg: TrainConfig, world: int,
+                 zero_stage: int | None = None) -> Any:
+    """``model`` wrapped in a DeepSpeed engine as every training worker wraps it: AdamW over the task's
+    parameter groups (else :func:`weight_decay_groups`), :func:`lr_schedule`, gradient clipping and
+    accumulation from ``cfg``, and ZeRO at :func:`_effective_zero_stage` (``zero_stage`` forces a stage:
+    for benchmarks that time ZeRO's partitioned optimizer on one device). ``torch.distributed`` is
+    initialised first (Ray Train does it on the workers)."""
+    import deepspeed
+
+    groups = task.param_groups(model, cfg.lr, cfg.weight_decay) or weight_decay_groups(model.parameters(),
+                                                                                         cfg.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+    scheduler = lr_schedule(optimizer, cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=_deepspeed_config(cfg, world, zero_stage))
+    return engine
+
+
+def train_micro_batch(engine: Any, task: RankerTask, rows: dict[str, np.ndarray], autocast: Any) -> torch.Tensor:
+    """One micro-batch of triples: ``task.collate``, ``task.loss`` under ``autocast``
+    (:func:`precision_context`), backward, and ``engine.step()`` (an optimizer step at each
+    accumulation boundary). Returns the loss, detached, on the device."""
+    batch = _to_device(task.collate(rows), engine.device)
+    with autocast:
+        loss = task.loss(engine.module, batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
 
 
 def _validate_and_report(engine: Any, evaluator: "_DevEvaluator", state: dict, interval_loss: torch.Tensor,
@@ -411,13 +430,14 @@ def _effective_zero_stage(cfg: TrainConfig, world: int) -> int:
     return cfg.zero_stage if world > 1 else 0
 
 
-def _deepspeed_config(cfg: TrainConfig, world: int) -> dict:
+def _deepspeed_config(cfg: TrainConfig, world: int, zero_stage: int | None = None) -> dict:
+    stage = _effective_zero_stage(cfg, world) if zero_stage is None else zero_stage
     return {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "train_batch_size": cfg.batch_size * cfg.grad_accum * world,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": _effective_zero_stage(cfg, world)},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 12,   # the loop logs progress itself
         "wall_clock_breakdown": False,
@@ -450,7 +470,9 @@ def lr_factor(step: int, warmup_steps: int, schedule_steps: int) -> float:
     return max(0.0, (schedule_steps - step) / max(1, schedule_steps - warmup_steps))
 
 
-def _autocast(precision: str, device: torch.device) -> Any:
+def precision_context(precision: str, device: torch.device) -> Any:
+    """The context a training step's forward runs in: ``torch.autocast(bfloat16)`` for ``bf16`` (and
+    ``auto`` on a GPU), else none (fp32)."""
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
