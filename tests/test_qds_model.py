@@ -8,6 +8,7 @@ import torch
 
 from ckray.errors import ConfigError
 from ckray.models.checkpoint import load_model, save_model
+from ckray.models.sparse_attention import fused_masked_attention, qds_attention
 from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, encode_pairs, pairwise_loss, split_sentences, triple_loss
 from ckray.rankers.qds.task import QDSTask
 
@@ -220,6 +221,31 @@ def test_gradient_checkpointing_gives_the_same_gradients(model: QDSTransformer):
         m(batch).sum().backward()
         grads.append(m.bert.encoder.layer[0].attention.self.query.weight.grad)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["qds", "longformer-qa"])
+def test_fused_mask_kernel_computes_the_sparse_kernels_attention(model: QDSTransformer, pattern):
+    """attention_kernel only chooses how the pattern is computed: the fused SDPA kernel under the
+    materialised mask gives the sparse kernel's scores and gradients, padded batch included."""
+    batch = model.build_batch(QUERIES + ["x"], DOCS + [long_doc(60)])
+    assert not batch["attention_mask"].all()          # padding rows present
+    scores, grads = {}, {}
+    for kernel in ("sparse", "fused-mask"):
+        m = QDSTransformer(tiny(pattern=pattern, attention_kernel=kernel))
+        m.load_state_dict(model.state_dict())
+        m.train()
+        m.apply(lambda mod: setattr(mod, "p", 0.0) if isinstance(mod, torch.nn.Dropout) else None)
+        scores[kernel] = m(batch)
+        scores[kernel].sum().backward()
+        grads[kernel] = m.bert.encoder.layer[0].attention.self.key.weight.grad
+    chosen = {kernel: QDSTransformer(tiny(attention_kernel=kernel))._attention(batch).func
+              for kernel in ("sparse", "fused-mask", "auto")}
+    assert chosen == {"sparse": qds_attention, "fused-mask": fused_masked_attention, "auto": qds_attention}  # CPU
+    assert torch.isfinite(scores["fused-mask"]).all()
+    torch.testing.assert_close(scores["fused-mask"], scores["sparse"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads["fused-mask"], grads["sparse"], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        tiny(attention_kernel="flash")
 
 
 def test_bf16_autocast_runs_and_stays_close(model: QDSTransformer):

@@ -53,10 +53,11 @@ RoBERTa's position offset and vocabulary (no ``[unused*]`` tokens) are not handl
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, freeze_bottom_layers,
                                    load_tokenizer, mean_pool, resolve_encoder)
 from ckray.models.losses import pairwise_loss, pairwise_probe
-from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
+from ckray.models.sparse_attention import PATTERNS, build_layout, dense_mask, fused_masked_attention, qds_attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +78,7 @@ from ckray.models.sparse_attention import PATTERNS, build_layout, qds_attention
 
 HEAD_INITS = ("warm", "random")
 HEADS = ("cls", "pooled", "maxsim")
+ATTENTION_KERNELS = ("auto", "sparse", "fused-mask")
 SIMILARITY_HEADS = ("pooled", "maxsim")   # the heads with a γ · similarity term
 POOLED_SCALE = 20.0   # γ of a warm similarity head: the cosine scale MiniLM's bi-encoder was trained at
 
@@ -93,6 +95,10 @@ class QDSConfig:
     sentence_rows_global: also let [SOS] rows attend to every token (symmetric sentence hierarchy).
     sos_token:        the vocabulary entry used as [SOS].
     block_size:       band block of the sparse attention (None: w // 2).
+    attention_kernel: how the pattern's attention is computed, never what: "sparse"
+                      (``qds_attention``, O(n·(w + g)) memory), "fused-mask" (torch's fused SDPA under
+                      the materialised [n, n] mask, ``fused_masked_attention``: faster on GPUs) or
+                      "auto" (fused-mask on CUDA, sparse elsewhere).
     num_layers:       keep only the first layers of the encoder (None: all).
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
     frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
@@ -116,6 +122,7 @@ class QDSConfig:
     sentence_rows_global: bool = False
     sos_token: str = "[unused1]"
     block_size: int | None = None
+    attention_kernel: str = "auto"
     num_layers: int | None = None
     gradient_checkpointing: bool = False
     frozen_layers: int = 0
@@ -130,6 +137,9 @@ class QDSConfig:
             raise ConfigError(f"QDSConfig.pattern must be one of {PATTERNS}, got {self.pattern!r}")
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"QDSConfig.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"QDSConfig.attention_kernel must be one of {ATTENTION_KERNELS}, "
+                              f"got {self.attention_kernel!r}")
         if self.head not in HEADS:
             raise ConfigError(f"QDSConfig.head must be one of {HEADS}, got {self.head!r}")
         if self.window < 0:
@@ -259,8 +269,8 @@ class QDSTransformer(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def _layer(self, layer: nn.Module, hidden: torch.Tensor, layout) -> torch.Tensor:
-        """One ``BertLayer`` with its self-attention computed by ``qds_attention``."""
+    def _layer(self, layer: nn.Module, hidden: torch.Tensor, attend: Callable) -> torch.Tensor:
+        """One ``BertLayer`` with its self-attention computed by ``attend(q, k, v, dropout_p, scale)``."""
         attn = layer.attention.self
         bsz, n, _ = hidden.shape
 
@@ -268,8 +278,8 @@ class QDSTransformer(nn.Module):
             return x.view(bsz, n, attn.num_attention_heads, attn.attention_head_size).transpose(1, 2)
 
         q, k, v = heads(attn.query(hidden)), heads(attn.key(hidden)), heads(attn.value(hidden))
-        context = qds_attention(q, k, v, layout, dropout_p=attn.dropout.p if self.training else 0.0,
-                                scale=attn.attention_head_size ** -0.5)
+        context = attend(q, k, v, dropout_p=attn.dropout.p if self.training else 0.0,
+                         scale=attn.attention_head_size ** -0.5)
         context = context.transpose(1, 2).reshape(bsz, n, -1)
         hidden = layer.attention.output(context, hidden)               # dense, dropout, LN(x + ·)
         return layer.output(layer.intermediate(hidden), hidden)        # FFN, dropout, LN(x + ·)
@@ -283,17 +293,27 @@ class QDSTransformer(nn.Module):
         position_ids = torch.arange(n, device=self.device).expand(bsz, n)
         hidden = self.bert.embeddings(input_ids=input_ids, position_ids=position_ids,
                                       token_type_ids=batch["token_type_ids"].to(self.device))
-        layout = build_layout(batch["attention_mask"].to(self.device), self.config.window,
-                              batch["global_mask"].to(self.device), batch["sentence_mask"].to(self.device),
-                              pattern=self.config.pattern,
-                              sentence_rows_global=self.config.sentence_rows_global,
-                              block_size=self.config.block_size)
+        attend = self._attention(batch)
         for layer in self.bert.encoder.layer:
             if self.config.gradient_checkpointing and self.training:
-                hidden = checkpoint(self._layer, layer, hidden, layout, use_reentrant=False)
+                hidden = checkpoint(self._layer, layer, hidden, attend, use_reentrant=False)
             else:
-                hidden = self._layer(layer, hidden, layout)
+                hidden = self._layer(layer, hidden, attend)
         return hidden
+
+    def _attention(self, batch: Mapping[str, torch.Tensor]) -> Callable:
+        """``attend(q, k, v, dropout_p, scale)`` under the batch's QDS pattern (Eq. 7–10), with what the
+        pattern needs built once for all layers: the sparse layout, or the dense mask for the fused kernel."""
+        cfg = self.config
+        masks = (batch["attention_mask"].to(self.device), cfg.window, batch["global_mask"].to(self.device),
+                 batch["sentence_mask"].to(self.device))
+        fused = cfg.attention_kernel == "fused-mask" or (cfg.attention_kernel == "auto" and self.device.type == "cuda")
+        if fused:
+            mask = dense_mask(*masks, pattern=cfg.pattern, sentence_rows_global=cfg.sentence_rows_global)
+            return functools.partial(fused_masked_attention, mask=mask)
+        layout = build_layout(*masks, pattern=cfg.pattern, sentence_rows_global=cfg.sentence_rows_global,
+                              block_size=cfg.block_size)
+        return functools.partial(qds_attention, layout=layout)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Relevance scores ``[B]`` of a batch from ``encode_pairs`` (or ``build_batch``)."""
