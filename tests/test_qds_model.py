@@ -9,7 +9,7 @@ import torch
 from ckray.errors import ConfigError
 from ckray.models.checkpoint import load_model, save_model
 from ckray.models.sparse_attention import fused_masked_attention, qds_attention
-from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, encode_pairs, pairwise_loss, split_sentences, triple_loss
+from ckray.rankers.qds.model import QDSConfig, QDSTransformer, resolve_attention_kernel, collate_triples, encode_pairs, pairwise_loss, split_sentences, triple_loss
 from ckray.rankers.qds.task import QDSTask
 
 TINY_BERT = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -241,6 +241,11 @@ def test_fused_mask_kernel_computes_the_sparse_kernels_attention(model: QDSTrans
     chosen = {kernel: QDSTransformer(tiny(attention_kernel=kernel))._attention(batch).func
               for kernel in ("sparse", "fused-mask", "auto")}
     assert chosen == {"sparse": qds_attention, "fused-mask": fused_masked_attention, "auto": qds_attention}  # CPU
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # auto stays sparse on a CPU, bf16 or not
+        assert QDSTransformer(tiny())._attention(batch).func is qds_attention
+    assert [resolve_attention_kernel("auto", device, half) for device, half in
+            (("cuda", True), ("cuda", False), ("cpu", True), ("cpu", False))] == ["fused-mask", "sparse", "sparse", "sparse"]
+    assert resolve_attention_kernel("fused-mask", "cpu", False) == "fused-mask"
     assert torch.isfinite(scores["fused-mask"]).all()
     torch.testing.assert_close(scores["fused-mask"], scores["sparse"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads["fused-mask"], grads["sparse"], atol=1e-5, rtol=1e-4)
