@@ -5,6 +5,7 @@
 #
 #   bash bench/device_check.sh prepare [BUNDLE]   # here, with the project's .venv and PyPI: builds BUNDLE (.whl)
 #   bash bench/device_check.sh run [BUNDLE] [OUT] # there, from the repository root, with BUNDLE copied along
+#   bash bench/device_check.sh long [BUNDLE] [OUT] # there: QDS at 2,048 tokens, and 128 triples a step
 #
 # BUNDLE (about 52 MB) holds what such a machine lacks: wheels of DeepSpeed and its pure-Python needs,
 # ir-measures (for CPython 3.12, x86-64), the offline MiniLM stored in bf16 (converted back to fp32
@@ -50,6 +51,7 @@ fi
 
 out=${3:-${OUT:-/tmp/device-check}}
 mkdir -p "$out"
+filter=(grep -v -e 'Loading weights' -e UNEXPECTED -e 'LOAD REPORT' -e '^Key ' -e '^---' -e '^Notes:' -e 'can be ignored')
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$bundle"/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 encoder=/tmp/minilm
@@ -61,8 +63,15 @@ save_file({k: v.float() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2]
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
-python3 bench/train_step_device.py --data "$bundle/scifact" --encoder $encoder --batch-size ${BATCH:-32} \
-    --steps ${STEPS:-30} 2> >(grep -v -e 'Loading weights' -e UNEXPECTED -e 'LOAD REPORT' -e '^Key ' -e '^---' -e '^Notes:' -e 'can be ignored' >&2) | tee "$out/train_step_device.json"
+steps() { python3 bench/train_step_device.py --data "$bundle/scifact" --encoder $encoder "$@" 2> >("${filter[@]}" >&2); }
+if [[ $cmd == long ]]; then   # the QDS kernels at the paper's 2,048 tokens, and every model at 128 triples a step
+    steps --models qds-sparse,qds-fused-mask --qds-max-length 2048 --min-doc-words 1600 --batch-size 8 --steps 20 \
+        | tee "$out/train_step_qds_2048.json"
+    steps --models ck-qti,clear,cedr-knrm,qds-sparse,qds-fused-mask --batch-size 128 --steps 10 \
+        | tee "$out/train_step_batch128.json"
+    exit 0
+fi
+steps --batch-size ${BATCH:-32} --steps ${STEPS:-30} | tee "$out/train_step_device.json"
 for dtype in float32 bfloat16; do
     python3 bench/qds_attention.py --device cuda --dtype $dtype --sizes 512,2048,8192 --repeats 5 \
         | tee "$out/qds_attention_$dtype.txt" | tail -1

@@ -24,6 +24,7 @@ how far bf16's first loss is from fp32's (the same weights and batch).
 
     python bench/train_step_device.py --data ../shared/data/scifact [--encoder DIR] [--batch-size 16]
         [--steps 20] [--warmup 3] [--models ck-qti,clear,cedr-knrm,qds-sparse,qds-fused-mask]
+        [--qds-max-length 512] [--min-doc-words 0]
 
 Ends with one JSON line.
 """
@@ -53,9 +54,11 @@ from ckray.training.loop import build_engine, precision_context, train_micro_bat
 CONFIGS = (("fp32", 0), ("bf16", 0), ("bf16", 2))   # (precision, ZeRO stage); the first is the base
 
 
-def triples(data: Path, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+def triples(data: Path, n: int, seed: int = 0, min_words: int = 0) -> dict[str, np.ndarray]:
     """``n`` (query, judged relevant, random other document) triples of ``data``'s training queries, as
-    the columns ``ckray.training.task.TRIPLE_COLUMNS`` names."""
+    the columns ``ckray.training.task.TRIPLE_COLUMNS`` names; with ``min_words``, each document text is
+    followed by random other documents until it has that many words (long inputs from a short-document
+    collection, for timing)."""
     coll = load_collection(data)
     texts = dict(zip(coll.corpus.column("doc_id").to_pylist(),
                      (doc_text(t, b) for t, b in zip(coll.corpus.column("title").to_pylist(),
@@ -67,15 +70,20 @@ def triples(data: Path, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     judged = sorted((q, d) for q, docs in coll.qrels["train"].items() for d, r in docs.items()
                     if r > 0 and q in coll.queries and d in texts)
     rng.shuffle(judged)
+    def long(text: str) -> str:
+        while len(text.split()) < min_words:
+            text += " " + texts[rng.choice(doc_ids)]
+        return text
+
     for q, pos in (judged * (1 + n // max(len(judged), 1)))[:n]:
         neg = rng.choice(doc_ids)
-        for col, value in (("query_id", q), ("query", coll.queries[q]), ("pos_id", pos), ("pos_text", texts[pos]),
-                           ("pos_bm25", 0.0), ("neg_id", neg), ("neg_text", texts[neg]), ("neg_bm25", 0.0)):
+        for col, value in (("query_id", q), ("query", coll.queries[q]), ("pos_id", pos), ("pos_text", long(texts[pos])),
+                           ("pos_bm25", 0.0), ("neg_id", neg), ("neg_text", long(texts[neg])), ("neg_bm25", 0.0)):
             rows[col].append(value)
     return {c: np.asarray(v, dtype=np.float32 if c.endswith("bm25") else object) for c, v in rows.items()}
 
 
-def make_task(name: str, encoder: str | None, probe: dict[str, list[str]]):
+def make_task(name: str, encoder: str | None, probe: dict[str, list[str]], qds_max_length: int):
     from ckray.rankers.cedr.model import CEDRConfig
     from ckray.rankers.cedr.task import CEDRTask
     from ckray.rankers.ck_qti.model import CKConfig
@@ -94,7 +102,8 @@ def make_task(name: str, encoder: str | None, probe: dict[str, list[str]]):
         return CEDRTask(model_config=CEDRConfig(variant="knrm", head_init="warm", **CEDR_SETTINGS, **enc))
     if name in ("qds", "qds-sparse", "qds-fused-mask"):   # qds: the config's attention_kernel ("auto")
         kernel = {"attention_kernel": name[len("qds-"):]} if name != "qds" else {}
-        return QDSTask(model_config=QDSConfig(head_init="warm", **QDS_SETTINGS, **kernel, **enc), warm_triples=probe)
+        settings = {**QDS_SETTINGS, "max_length": qds_max_length}
+        return QDSTask(model_config=QDSConfig(head_init="warm", **settings, **kernel, **enc), warm_triples=probe)
     raise SystemExit(f"unknown model {name!r} (ck-qti, clear, cedr-knrm, qds, qds-sparse, qds-fused-mask)")
 
 
@@ -150,6 +159,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16, help="triples per step")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--qds-max-length", type=int, default=QDS_SETTINGS["max_length"],
+                    help="QDS-Transformer tokens per input (the run of record: 512; the paper: 2048)")
+    ap.add_argument("--min-doc-words", type=int, default=0,
+                    help="extend each document with random others to at least this many words (long inputs)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
@@ -160,15 +173,15 @@ def main() -> None:
     init_distributed(device)
 
     n_batches = args.warmup + args.steps
-    cols = triples(Path(args.data), args.batch_size * n_batches + 8)
+    cols = triples(Path(args.data), args.batch_size * n_batches + 8, min_words=args.min_doc_words)
     batches = [{c: v[i * args.batch_size:(i + 1) * args.batch_size] for c, v in cols.items()} for i in range(n_batches)]
     probe = {c: [str(x) for x in cols[c][-8:]] for c in ("query", "pos_text", "neg_text")}
     cfg = TrainConfig(batch_size=args.batch_size, grad_accum=1, max_steps=n_batches, warmup_steps=1, lr=2e-5)
     result: dict = {"bench": "train_step_device", "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu", "torch": torch.__version__, "batch_size": args.batch_size, "steps": args.steps,
-                    "models": {}}
+                    "qds_max_length": args.qds_max_length, "min_doc_words": args.min_doc_words, "models": {}}
     for name in filter(None, args.models.split(",")):
-        task = make_task(name, args.encoder, probe)
+        task = make_task(name, args.encoder, probe, args.qds_max_length)
         torch.manual_seed(0)
         initial = {k: v.clone() for k, v in task.build_model().state_dict().items()}
         entry = {}
