@@ -240,12 +240,16 @@ def test_fused_mask_kernel_computes_the_sparse_kernels_attention(model: QDSTrans
         grads[kernel] = m.bert.encoder.layer[0].attention.self.key.weight.grad
     chosen = {kernel: QDSTransformer(tiny(attention_kernel=kernel))._attention(batch).func
               for kernel in ("sparse", "fused-mask", "auto")}
-    assert chosen == {"sparse": qds_attention, "fused-mask": fused_masked_attention, "auto": qds_attention}  # CPU
-    with torch.autocast("cpu", dtype=torch.bfloat16):   # auto stays sparse on a CPU, bf16 or not
-        assert QDSTransformer(tiny())._attention(batch).func is qds_attention
-    assert [resolve_attention_kernel("auto", device, half) for device, half in
-            (("cuda", True), ("cuda", False), ("cpu", True), ("cpu", False))] == ["fused-mask", "sparse", "sparse", "sparse"]
-    assert resolve_attention_kernel("fused-mask", "cpu", False) == "fused-mask"
+    # on a CPU, auto computes gradients with the sparse kernel and scores short inputs with the fused one
+    assert chosen == {"sparse": qds_attention, "fused-mask": fused_masked_attention, "auto": qds_attention}
+    with torch.no_grad():
+        assert QDSTransformer(tiny()).eval()._attention(batch).func is fused_masked_attention
+    auto = {(device, half, training, n): resolve_attention_kernel("auto", device, half, training, n)
+            for device in ("cuda", "cpu") for half in (True, False) for training in (True, False) for n in (512, 513)}
+    assert {key for key, kernel in auto.items() if kernel == "fused-mask"} == {
+        ("cuda", True, training, n) for training in (True, False) for n in (512, 513)} | {
+        ("cpu", half, False, 512) for half in (True, False)}
+    assert resolve_attention_kernel("fused-mask", "cpu", False, True, 4096) == "fused-mask"
     assert torch.isfinite(scores["fused-mask"]).all()
     torch.testing.assert_close(scores["fused-mask"], scores["sparse"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads["fused-mask"], grads["sparse"], atol=1e-5, rtol=1e-4)

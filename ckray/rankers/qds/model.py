@@ -82,15 +82,27 @@ ATTENTION_KERNELS = ("auto", "sparse", "fused-mask")
 SIMILARITY_HEADS = ("pooled", "maxsim")   # the heads with a γ · similarity term
 POOLED_SCALE = 20.0   # γ of a warm similarity head: the cosine scale MiniLM's bi-encoder was trained at
 
-def resolve_attention_kernel(kernel: str, device_type: str, reduced_precision: bool) -> str:
-    """The kernel ``QDSConfig.attention_kernel`` stands for: ``auto`` is the fused-mask kernel on CUDA in
-    bf16/fp16 (autocast or a half-precision model) and the sparse one otherwise. On an H200 the fused
-    kernel trains 1.09× (2,048 tokens) to 1.47× (512 tokens) the sparse kernel's pairs/s in bf16, the sparse
-    kernel 1.17× the fused one's in fp32 at 2,048 tokens; on a CPU the sparse one is 1.7× (fp32) to 2.3×
-    (bf16) faster at 512 tokens (docs/gpu.md)."""
+FUSED_CPU_MAX_LENGTH = 512   # on a CPU, scoring inputs up to this long runs faster with the fused kernel
+
+
+def resolve_attention_kernel(kernel: str, device_type: str, reduced_precision: bool, training: bool,
+                             length: int) -> str:
+    """The kernel ``QDSConfig.attention_kernel`` stands for (docs/gpu.md and ``bench/qds_kernels.py``
+    measured each rule):
+
+    * on CUDA, ``auto`` is the fused-mask kernel in bf16/fp16 (autocast or a half-precision model): an
+      H200 trains 1.09× (2,048 tokens) to 1.47× (512) the sparse kernel's pairs/s with it, while in fp32
+      at 2,048 tokens the sparse kernel is 1.17× faster;
+    * on a CPU, ``auto`` is the fused-mask kernel when scoring (no gradients) inputs of at most
+      ``FUSED_CPU_MAX_LENGTH`` tokens: 1.22× (fp32) to 1.68× (bf16) the sparse kernel's pairs/s at 512
+      tokens, even at 1,024 (1.00× and 1.18×), slower at 2,048 (0.69×, 0.75×) and in a training step
+      (0.58× at 512), where the sparse kernel stays.
+    """
     if kernel != "auto":
         return kernel
-    return "fused-mask" if device_type == "cuda" and reduced_precision else "sparse"
+    if device_type == "cuda":
+        return "fused-mask" if reduced_precision else "sparse"
+    return "fused-mask" if not training and length <= FUSED_CPU_MAX_LENGTH else "sparse"
 
 
 @dataclass
@@ -109,7 +121,8 @@ class QDSConfig:
     attention_kernel: how the pattern's attention is computed, never what: "sparse"
                       (``qds_attention``, O(n·(w + g)) memory), "fused-mask" (torch's fused SDPA under
                       the materialised [n, n] mask, ``fused_masked_attention``: faster on GPUs in bf16)
-                      or "auto" (``resolve_attention_kernel``: fused-mask on CUDA in bf16/fp16, else sparse).
+                      or "auto" (``resolve_attention_kernel``: fused-mask on CUDA in bf16/fp16 and on a CPU
+                      when scoring inputs of at most 512 tokens, else sparse).
     num_layers:       keep only the first layers of the encoder (None: all).
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
     frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
@@ -319,7 +332,9 @@ class QDSTransformer(nn.Module):
         masks = (batch["attention_mask"].to(self.device), cfg.window, batch["global_mask"].to(self.device),
                  batch["sentence_mask"].to(self.device))
         half = torch.is_autocast_enabled(self.device.type) or self.bert.dtype != torch.float32
-        if resolve_attention_kernel(cfg.attention_kernel, self.device.type, half) == "fused-mask":
+        training = self.training or torch.is_grad_enabled()
+        length = batch["attention_mask"].shape[1]
+        if resolve_attention_kernel(cfg.attention_kernel, self.device.type, half, training, length) == "fused-mask":
             mask = dense_mask(*masks, pattern=cfg.pattern, sentence_rows_global=cfg.sentence_rows_global)
             return functools.partial(fused_masked_attention, mask=mask)
         layout = build_layout(*masks, pattern=cfg.pattern, sentence_rows_global=cfg.sentence_rows_global,

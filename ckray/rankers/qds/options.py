@@ -19,8 +19,9 @@ class QDSOptions:
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
     attention_kernel: str = option("auto", "how the attention pattern is computed (never what): the sparse kernel, "
                                            "O(n·(w + g)) memory (sparse); torch's fused attention under the "
-                                           "materialised n × n mask, faster on GPUs in bf16 (fused-mask); auto: "
-                                           "fused-mask on CUDA in bf16/fp16, sparse elsewhere", choices=("auto", "sparse", "fused-mask"))
+                                           "materialised n × n mask, faster on GPUs in bf16 and when scoring short "
+                                           "inputs on a CPU (fused-mask); auto: fused-mask on CUDA in bf16/fp16 "
+                                           "and for CPU scoring up to 512 tokens, sparse elsewhere", choices=("auto", "sparse", "fused-mask"))
     frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
                                    "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
     head_init: str = option("warm", "how the score head starts: its similarity term, or with --head cls fitted to the "
