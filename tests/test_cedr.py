@@ -330,3 +330,23 @@ def test_frozen_layers_leave_the_scores_and_drop_the_encoders_bottom_from_the_op
     assert grouped == {id(p) for n, p in frozen.named_parameters() if not n.startswith("encoder.embeddings.")}
     with pytest.raises(ValueError, match="frozen_layers must be >= 0"):
         CEDRConfig(frozen_layers=-1)
+
+
+def test_attention_dropout_sets_every_layers_attention_dropout_and_only_that():
+    """attention_dropout=0 removes the encoder's attention-probability dropout in training (a
+    training-mode forward then equals eval mode when the other dropouts are 0 too); None keeps the
+    encoder's own; a value outside [0, 1) is refused."""
+    noisy = dict(TINY, attention_probs_dropout_prob=0.5, hidden_dropout_prob=0.0)
+    batch = tiny().tokenize_pairs(QUERIES, DOCS)
+    for attention_dropout, deterministic in ((None, False), (0.0, True)):
+        model = tiny(random_init=noisy, dropout=0.0, attention_dropout=attention_dropout)
+        assert {layer.attention.self.dropout.p for layer in model.encoder.encoder.layer} == {
+            0.5 if attention_dropout is None else 0.0}
+        with torch.no_grad():
+            expected = model.eval()(batch)
+            model.train()
+            torch.manual_seed(1)
+            trained = model(batch)
+        assert torch.allclose(trained, expected, atol=1e-5) == deterministic
+    with pytest.raises(ValueError, match="attention_dropout"):
+        tiny(attention_dropout=1.0)

@@ -445,3 +445,9 @@ def test_frozen_layers_beyond_the_encoder_or_negative_are_refused():
         QDSTransformer(tiny(frozen_layers=4))
     with pytest.raises(ConfigError, match="frozen_layers"):
         tiny(frozen_layers=-1)
+
+
+def test_attention_dropout_is_set_on_every_encoder_layer():
+    for attention_dropout, expected in ((None, TINY_BERT["attention_probs_dropout_prob"]), (0.0, 0.0), (0.2, 0.2)):
+        model = QDSTransformer(tiny(attention_dropout=attention_dropout))
+        assert {layer.attention.self.dropout.p for layer in model.bert.encoder.layer} == {expected}

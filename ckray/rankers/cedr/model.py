@@ -82,7 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckray.models.encoders import (DEFAULT_ENCODER, encoder_config, freeze_bottom_layers, load_encoder,
-                                   load_tokenizer)
+                                   load_tokenizer, set_attention_dropout)
 from ckray.models.kernels import RBFKernels, log_soft_tf
 from ckray.models.losses import pairwise_loss, pairwise_probe
 
@@ -122,6 +122,7 @@ class CEDRConfig:
     random_init: dict | None = None        # BertConfig kwargs: a randomly initialised encoder (tests)
     head_init: str = "random"              # warm: heads start as a lexical matcher (module docstring) | random
     frozen_layers: int = 0                 # bottom layers not trained, embeddings = layer 0 (freeze_bottom_layers)
+    attention_dropout: float | None = None  # encoder's attention dropout in training; None: its own (set_attention_dropout)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -276,6 +277,7 @@ class CEDRRanker(nn.Module):
                 self.encoder = load_encoder(config.encoder, num_layers=config.num_layers)
         self.encoder.pooler = None  # unused: CEDR reads the raw [CLS] vector
         freeze_bottom_layers(self.encoder, config.frozen_layers)
+        set_attention_dropout(self.encoder, config.attention_dropout)
         enc = self.encoder.config
         if config.max_length > enc.max_position_embeddings:
             raise ValueError(f"max_length {config.max_length} exceeds the encoder's "

@@ -67,7 +67,7 @@ from transformers import AutoModel
 
 from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, freeze_bottom_layers,
-                                   load_tokenizer, mean_pool, resolve_encoder)
+                                   load_tokenizer, mean_pool, resolve_encoder, set_attention_dropout)
 from ckray.models.losses import pairwise_loss, pairwise_probe
 from ckray.models.sparse_attention import PATTERNS, build_layout, dense_mask, fused_masked_attention, qds_attention
 
@@ -127,6 +127,8 @@ class QDSConfig:
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
     frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
                       (``ckray.models.encoders.freeze_bottom_layers``): less backward work per pair.
+    attention_dropout: the encoder's attention-probability dropout in training (None: its own, 0.1 in
+                      MiniLM; ``ckray.models.encoders.set_attention_dropout``).
     head:             "cls" (the paper's ``w · h_[CLS] + b``), "pooled" (plus ``γ · cos(q̄, d̄)``) or
                       "maxsim" (plus γ · ColBERT's MaxSim), module docstring.
     head_init:        "warm" (the score head fitted by ``warm_start_head`` before training, module
@@ -150,6 +152,7 @@ class QDSConfig:
     num_layers: int | None = None
     gradient_checkpointing: bool = False
     frozen_layers: int = 0
+    attention_dropout: float | None = None
     head_init: str = "random"
     head: str = "cls"
     pretrained: bool = True
@@ -258,6 +261,7 @@ class QDSTransformer(nn.Module):
         bert = self._build_encoder(config)
         _extend_positions(bert, config.max_length)
         freeze_bottom_layers(bert, config.frozen_layers)
+        set_attention_dropout(bert, config.attention_dropout)
         self.bert = bert
         hidden = bert.config.hidden_size
         self.dropout = nn.Dropout(bert.config.hidden_dropout_prob)
