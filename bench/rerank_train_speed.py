@@ -19,11 +19,12 @@ and, per model, how far bf16's step-0 loss and scores are from fp32's (the same 
 batch).
 
 ``--frozen-layers 0,3,5`` times each precision with that many bottom encoder layers not trained
-(``ckray.models.encoders.freeze_bottom_layers``, the embedding layer counted as layer 0); ratios are
-over fp32 at the first value.
+(``ckray.models.encoders.freeze_bottom_layers``, the embedding layer counted as layer 0);
+``--attention-dropout 0.1,0`` times each with that attention-probability dropout in every encoder layer
+(MiniLM's own: 0.1); ratios are over fp32 at the first values.
 
     python bench/rerank_train_speed.py --workdir W [--steps 3] [--rounds 2] [--batch-size 4] [--threads 2]
-        [--frozen-layers 0,3,5]
+        [--frozen-layers 0,3,5] [--attention-dropout 0.1,0]
 
 Ends with one JSON line.
 """
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--frozen-layers", default="0",
                     help="comma-separated: bottom encoder layers not trained (embeddings = 0), each timed in "
                          "both precisions; the first is the base of the ratios")
+    ap.add_argument("--attention-dropout", default="",
+                    help="comma-separated attention-probability dropout values, each timed in both precisions "
+                         "(empty: the encoder's own)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -138,35 +142,41 @@ def main() -> None:
     rows = [{c: [t[i] for t in steps[s:s + args.batch_size]] for i, c in enumerate(("query", "pos_text", "neg_text"))}
             for s in range(0, len(steps), args.batch_size)]
     result: dict = {"bench": "rerank_train_speed", "batch_size": args.batch_size, "steps": args.steps,
-                    "frozen_layers": args.frozen_layers,
+                    "frozen_layers": args.frozen_layers, "attention_dropout": args.attention_dropout,
                     "rounds": args.rounds, "threads": args.threads,
                     "cpu_bf16": "avx512_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists()
                     else None, "models": {}}
     frozen = [int(f) for f in args.frozen_layers.split(",")]
-    configs = [(p, f) for f in frozen for p in PRECISIONS]
+    dropouts = [float(d) for d in args.attention_dropout.split(",")] if args.attention_dropout else [None]
+    configs = [(p, f, d) for d in dropouts for f in frozen for p in PRECISIONS]
     for name in filter(None, args.models.split(",")):
         task = make_task(name, probe)
         torch.manual_seed(0)
         model = task.build_model()
         encoder = model.encoder if hasattr(model, "encoder") else model.bert
         initial = {k: v.clone() for k, v in model.state_dict().items()}
+        own_dropout = [layer.attention.self.dropout.p for layer in encoder.encoder.layer]
         batches = [task.collate(r) for r in rows]
         best = {c: {"wall": float("inf"), "cpu": float("inf")} for c in configs}
         for _ in range(args.rounds):
-            for p, f in configs:
+            for p, f, d in configs:
                 model.load_state_dict(initial)
                 model.requires_grad_(True)
                 freeze_bottom_layers(encoder, f)
+                for layer, own in zip(encoder.encoder.layer, own_dropout):
+                    layer.attention.self.dropout.p = own if d is None else d
                 wall, cpu = run_steps(task, model, batches, p)
-                best[p, f] = {"wall": min(best[p, f]["wall"], wall), "cpu": min(best[p, f]["cpu"], cpu)}
+                best[p, f, d] = {"wall": min(best[p, f, d]["wall"], wall), "cpu": min(best[p, f, d]["cpu"], cpu)}
         model.load_state_dict(initial)
+        for layer, own in zip(encoder.encoder.layer, own_dropout):
+            layer.attention.self.dropout.p = own
         pairs = 2 * len(steps)
-        base = best["fp32", frozen[0]]
-        entry = {f"{p}/frozen{f}": {"pairs_per_s": round(pairs / b["wall"], 3),
+        base = best["fp32", frozen[0], dropouts[0]]
+        entry = {f"{p}/frozen{f}" + ("" if d is None else f"/attn_dropout{d:g}"): {"pairs_per_s": round(pairs / b["wall"], 3),
                                     "pairs_per_cpu_s": round(pairs / b["cpu"], 3),
                                     "over_base_cpu": round(base["cpu"] / b["cpu"], 3),
                                     "over_base_wall": round(base["wall"] / b["wall"], 3)}
-                 for (p, f), b in best.items()}
+                 for (p, f, d), b in best.items()}
         entry["padding_efficiency"] = padding_efficiency(batches)
         entry.update(precision_gap(task, model, batches[0]))
         result["models"][name] = entry
