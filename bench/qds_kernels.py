@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.train_step_device import triples  # noqa: E402
+from bench.train_step_device import sync, triples  # noqa: E402
 from ckray.rankers.qds.model import QDSConfig, QDSTransformer  # noqa: E402
 
 KERNELS = ("sparse", "fused-mask")
@@ -63,12 +63,10 @@ def main() -> None:
                     models[kernel].score_texts(queries[:2], docs[:2])
                 for _ in range(args.rounds):
                     for kernel in KERNELS:
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
+                        sync(device)
                         t0 = time.perf_counter()
                         scores[kernel] = models[kernel].score_texts(queries, docs).float().cpu()
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
+                        sync(device)
                         best[kernel] = min(best[kernel], time.perf_counter() - t0)
             entry = {f"{k}_pairs_per_s": round(args.pairs / best[k], 2) for k in KERNELS}
             entry["fused_over_sparse"] = round(best["sparse"] / best["fused-mask"], 2)

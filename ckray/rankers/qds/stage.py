@@ -18,8 +18,8 @@ def train(options: QDSOptions, args: argparse.Namespace):
     o, name = options, options.checkpoint_name
     config = QDSConfig(encoder=o.encoder, max_length=o.max_length, window=o.window, pattern=o.pattern,
                        gradient_checkpointing=o.gradient_checkpointing, attention_kernel=o.attention_kernel,
-                       head_init=o.head_init,
-                       head=o.head, frozen_layers=o.frozen_layers, attention_dropout=o.attention_dropout)
+                       head_init=o.head_init, head=o.head, frozen_layers=o.frozen_layers,
+                       attention_dropout=o.attention_dropout)
     task = QDSTask(model_config=config, name=name, head_lr_multiplier=o.head_lr_multiplier)
     train_config = training_config(args, name, **SPEC.training.defaults)  # flag errors before the data
     td = training_data(args)
