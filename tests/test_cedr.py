@@ -350,3 +350,5 @@ def test_attention_dropout_sets_every_layers_attention_dropout_and_only_that():
         assert torch.allclose(trained, expected, atol=1e-5) == deterministic
     with pytest.raises(ValueError, match="attention_dropout"):
         tiny(attention_dropout=1.0)
+    with pytest.raises(ValueError, match="attention_dropout must be in \\[0, 1\\), got -0.1"):
+        CEDRConfig(variant="knrm", attention_dropout=-0.1)   # refused with the config, before any model is built

@@ -451,3 +451,5 @@ def test_attention_dropout_is_set_on_every_encoder_layer():
     for attention_dropout, expected in ((None, TINY_BERT["attention_probs_dropout_prob"]), (0.0, 0.0), (0.2, 0.2)):
         model = QDSTransformer(tiny(attention_dropout=attention_dropout))
         assert {layer.attention.self.dropout.p for layer in model.bert.encoder.layer} == {expected}
+    with pytest.raises(ConfigError, match="attention_dropout must be in \\[0, 1\\), got 1.5"):
+        tiny(attention_dropout=1.5)

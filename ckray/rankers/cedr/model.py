@@ -137,6 +137,8 @@ class CEDRConfig:
             raise ValueError("max_segments must be at least 1")
         if self.frozen_layers < 0:
             raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers}")
+        if self.attention_dropout is not None and not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
 
 @dataclass

@@ -173,6 +173,8 @@ class QDSConfig:
             raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
         if self.frozen_layers < 0:
             raise ConfigError(f"QDSConfig.frozen_layers must be >= 0, got {self.frozen_layers}")
+        if self.attention_dropout is not None and not 0.0 <= self.attention_dropout < 1.0:
+            raise ConfigError(f"QDSConfig.attention_dropout must be in [0, 1), got {self.attention_dropout}")
         if self.max_query_length < 1 or self.max_length < self.max_query_length + 4:
             raise ConfigError(f"QDSConfig.max_length={self.max_length} must leave room for "
                               f"max_query_length={self.max_query_length} + [CLS], [SEP], [SOS], [SEP]")
