@@ -398,7 +398,7 @@ def test_a_longer_schedule_stops_training_partway_down_its_decay():
     assert _learning_rates(TrainConfig(max_steps=10, warmup_steps=2), 10)[-1] == pytest.approx(1 / 8)
     assert TrainConfig(max_steps=1000, schedule_steps=2000).schedule_steps == 2000
     assert TrainConfig(max_steps=1000).schedule_steps == 0     # 0: the schedule ends at max_steps
-    with pytest.raises(ConfigError, match="schedule_steps must be 0 .* or >= max_steps \\(1000\\), got 500"):
+    with pytest.raises(ConfigError, match="schedule_steps must be 0 .* or at least the steps to train \\(1000\\), got 500"):
         TrainConfig(max_steps=1000, schedule_steps=500)
 
 

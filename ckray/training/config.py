@@ -78,7 +78,7 @@ class TrainConfig:
             ("warmup_steps", 0 <= self.warmup_steps, "must be >= 0"),
             ("max_steps", self.max_steps >= 1, "must be >= 1"),
             ("schedule_steps", self.schedule_steps == 0 or self.schedule_steps >= self.max_steps,
-             f"must be 0 (= max_steps) or >= max_steps ({self.max_steps})"),
+             f"must be 0 (the decay ends at the last step) or at least the steps to train ({self.max_steps})"),
             ("eval_every", self.eval_every >= 0, "must be >= 0 (0: validate only at the end)"),
             ("max_failures", self.max_failures >= -1, "must be >= -1 (-1: retry forever)"),
             ("grad_clip", self.grad_clip >= 0, "must be >= 0 (0: no clipping)"),
