@@ -81,8 +81,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckray.models.encoders import (DEFAULT_ENCODER, encoder_config, freeze_bottom_layers, load_encoder,
-                                   load_tokenizer, set_attention_dropout)
+from ckray.models.encoders import (DEFAULT_ENCODER, attention_dropout_problem, encoder_config,
+                                   freeze_bottom_layers, load_encoder, load_tokenizer, set_attention_dropout)
 from ckray.models.kernels import RBFKernels, log_soft_tf
 from ckray.models.losses import pairwise_loss, pairwise_probe
 
@@ -137,8 +137,8 @@ class CEDRConfig:
             raise ValueError("max_segments must be at least 1")
         if self.frozen_layers < 0:
             raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers}")
-        if self.attention_dropout is not None and not 0.0 <= self.attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
+        if problem := attention_dropout_problem(self.attention_dropout):
+            raise ValueError(problem)
 
 
 @dataclass

@@ -66,8 +66,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, freeze_bottom_layers,
-                                   load_tokenizer, mean_pool, resolve_encoder, set_attention_dropout)
+from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, attention_dropout_problem, encoder_config,
+                                   freeze_bottom_layers, load_tokenizer, mean_pool, resolve_encoder,
+                                   set_attention_dropout)
 from ckray.models.losses import pairwise_loss, pairwise_probe
 from ckray.models.sparse_attention import PATTERNS, build_layout, dense_mask, fused_masked_attention, qds_attention
 
@@ -173,8 +174,8 @@ class QDSConfig:
             raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
         if self.frozen_layers < 0:
             raise ConfigError(f"QDSConfig.frozen_layers must be >= 0, got {self.frozen_layers}")
-        if self.attention_dropout is not None and not 0.0 <= self.attention_dropout < 1.0:
-            raise ConfigError(f"QDSConfig.attention_dropout must be in [0, 1), got {self.attention_dropout}")
+        if problem := attention_dropout_problem(self.attention_dropout):
+            raise ConfigError(f"QDSConfig.{problem}")
         if self.max_query_length < 1 or self.max_length < self.max_query_length + 4:
             raise ConfigError(f"QDSConfig.max_length={self.max_length} must leave room for "
                               f"max_query_length={self.max_query_length} + [CLS], [SEP], [SOS], [SEP]")
