@@ -38,6 +38,14 @@ class ConfigError(CkrayError):
         """``<owner>.<field> <problem>``, e.g. ``invalid("TrainConfig", "lr", "must be > 0, got 0.0")``."""
         return cls(f"{owner}.{field} {problem}", field=field, problem=problem)
 
+    @classmethod
+    def check_fields(cls, owner: str, checks: Mapping[str, tuple[bool, str]]) -> None:
+        """Raise :meth:`invalid` for the first field of ``checks`` (field → (is it valid, the problem
+        when it is not)) that is not valid; a config's ``__post_init__`` in one table."""
+        for field, (valid, problem) in checks.items():
+            if not valid:
+                raise cls.invalid(owner, field, problem)
+
     def for_flags(self, flags: Mapping[str, str]) -> ConfigError:
         """This error naming the command-line flag of its field (``flags``: field → flag), when it has one."""
         if self.field is None or self.problem is None or self.field not in flags:

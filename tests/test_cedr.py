@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ckray.errors import ConfigError
 from ckray.rankers.cedr.model import VARIANTS, CEDRConfig, CEDRRanker, matching_histogram, pairwise_loss
 from ckray.models.checkpoint import load_model, save_model
 
@@ -301,10 +302,9 @@ def test_vanilla_warm_start_fits_the_cls_head_to_training_pairs(tmp_path):
 
 
 def test_head_init_is_checked_and_the_vanilla_task_needs_warm_triples():
-    from ckray.errors import ConfigError
     from ckray.rankers.cedr.task import CEDRTask
 
-    with pytest.raises(ValueError, match="head_init must be one of"):
+    with pytest.raises(ConfigError, match="^CEDRConfig.head_init must be one of"):
         CEDRConfig(head_init="lexical")
     cfg = CEDRConfig(variant="vanilla", random_init=TINY, max_length=32, max_query_len=8, head_init="warm")
     with pytest.raises(ConfigError, match="warm_triples"):
@@ -328,7 +328,7 @@ def test_frozen_layers_leave_the_scores_and_drop_the_encoders_bottom_from_the_op
     assert frozen.encoder.encoder.layer[0].attention.self.query.weight.grad is not None
     grouped = {id(p) for g in frozen.param_groups() for p in g["params"]}
     assert grouped == {id(p) for n, p in frozen.named_parameters() if not n.startswith("encoder.embeddings.")}
-    with pytest.raises(ValueError, match="frozen_layers must be >= 0"):
+    with pytest.raises(ConfigError, match="^CEDRConfig.frozen_layers must be >= 0, got -1$"):
         CEDRConfig(frozen_layers=-1)
 
 
@@ -348,7 +348,7 @@ def test_attention_dropout_sets_every_layers_attention_dropout_and_only_that():
             torch.manual_seed(1)
             trained = model(batch)
         assert torch.allclose(trained, expected, atol=1e-5) == deterministic
-    with pytest.raises(ValueError, match="attention_dropout"):
+    with pytest.raises(ConfigError, match="attention_dropout"):
         tiny(attention_dropout=1.0)
-    with pytest.raises(ValueError, match="attention_dropout must be in \\[0, 1\\), got -0.1"):
+    with pytest.raises(ConfigError, match="^CEDRConfig.attention_dropout must be in \\[0, 1\\), got -0.1$"):
         CEDRConfig(variant="knrm", attention_dropout=-0.1)   # refused with the config, before any model is built

@@ -112,6 +112,20 @@ def test_every_training_stage_checks_its_loop_flags_before_any_work(model, flags
     assert not w.exists()
 
 
+@pytest.mark.parametrize("model, flags, message", [
+    ("cedr-knrm", ["--frozen-layers", "-1"], "--frozen-layers must be >= 0, got -1"),
+    ("cedr-knrm", ["--attention-dropout", "1"], "--attention-dropout must be in [0, 1), got 1.0"),
+    ("qds", ["--frozen-layers", "-1"], "--frozen-layers must be >= 0, got -1"),
+    ("qds", ["--window", "-2"], "--window must be >= 0, got -2")])
+def test_a_bad_model_flag_of_a_reranker_is_named_before_any_work(model, flags, message, sample, tmp_path):
+    """The model configs (CEDRConfig, QDSConfig) refuse a bad field with a ConfigError that the job
+    turns into its flag's name: one error line, exit 2, before Ray, nothing written."""
+    w = tmp_path / "w"
+    p = job(f"train_{model.split('-')[0]}.py", "--data", sample, "--workdir", w, *flags)
+    assert refused(p, message), p.stdout[-3000:] + p.stderr[-3000:]
+    assert not w.exists()
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("evaluate.py", ["--k", "0"], "--k must be >= 1, got 0"),
     ("evaluate.py", ["--rerank-depth", "0"], "--rerank-depth must be >= 1, got 0"),

@@ -61,10 +61,11 @@ def freeze_bottom_layers(encoder: PreTrainedModel, n: int) -> None:
 
 
 def attention_dropout_problem(p: float | None) -> str | None:
-    """Why ``p`` cannot be an attention dropout (``"attention_dropout must be in [0, 1), got …"``), or
-    ``None`` when it can (``None`` itself: keep the encoder's own). Model configs check with it when built."""
+    """Why ``p`` cannot be an attention dropout (``"must be in [0, 1), got …"``, the problem of a config's
+    ``attention_dropout`` field), or ``None`` when it can (``None`` itself: keep the encoder's own).
+    Model configs check with it when built."""
     if p is not None and not 0.0 <= p < 1.0:
-        return f"attention_dropout must be in [0, 1), got {p}"
+        return f"must be in [0, 1), got {p}"
     return None
 
 
@@ -76,7 +77,7 @@ def set_attention_dropout(encoder: PreTrainedModel, p: float | None) -> None:
     runs 2.2× / 1.9× the pairs/s (``bench/rerank_train_speed.py --attention-dropout 0.1,0``)."""
     problem = attention_dropout_problem(p)
     if problem:
-        raise ValueError(problem)
+        raise ValueError(f"attention_dropout {problem}")
     if p is None:
         return
     encoder.config.attention_probs_dropout_prob = p

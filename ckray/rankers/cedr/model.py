@@ -81,6 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, attention_dropout_problem, encoder_config,
                                    freeze_bottom_layers, load_encoder, load_tokenizer, set_attention_dropout)
 from ckray.models.kernels import RBFKernels, log_soft_tf
@@ -125,20 +126,19 @@ class CEDRConfig:
     attention_dropout: float | None = None  # encoder's attention dropout in training; None: its own (set_attention_dropout)
 
     def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.head_init not in HEAD_INITS:
-            raise ValueError(f"head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
-        if self.loss not in ("softmax", "hinge"):
-            raise ValueError(f"loss must be 'softmax' or 'hinge', got {self.loss!r}")
-        if self.max_length < self.max_query_len + 4:
-            raise ValueError("max_length must leave room for the query, 3 special tokens and a document token")
-        if self.max_segments < 1:
-            raise ValueError("max_segments must be at least 1")
-        if self.frozen_layers < 0:
-            raise ValueError(f"frozen_layers must be >= 0, got {self.frozen_layers}")
-        if problem := attention_dropout_problem(self.attention_dropout):
-            raise ValueError(problem)
+        dropout_problem = attention_dropout_problem(self.attention_dropout)
+        checks = {
+            "variant": (self.variant in VARIANTS, f"must be one of {VARIANTS}, got {self.variant!r}"),
+            "head_init": (self.head_init in HEAD_INITS, f"must be one of {HEAD_INITS}, got {self.head_init!r}"),
+            "loss": (self.loss in ("softmax", "hinge"), f"must be 'softmax' or 'hinge', got {self.loss!r}"),
+            "max_length": (self.max_length >= self.max_query_len + 4,
+                           f"must leave room for max_query_len={self.max_query_len} query tokens, 3 special "
+                           f"tokens and a document token, got {self.max_length}"),
+            "max_segments": (self.max_segments >= 1, f"must be >= 1, got {self.max_segments}"),
+            "frozen_layers": (self.frozen_layers >= 0, f"must be >= 0, got {self.frozen_layers}"),
+            "attention_dropout": (dropout_problem is None, dropout_problem or ""),
+        }
+        ConfigError.check_fields("CEDRConfig", checks)
 
 
 @dataclass

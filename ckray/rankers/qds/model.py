@@ -161,24 +161,21 @@ class QDSConfig:
 
     def __post_init__(self) -> None:
         self.encoder = str(self.encoder)
-        if self.pattern not in PATTERNS:
-            raise ConfigError(f"QDSConfig.pattern must be one of {PATTERNS}, got {self.pattern!r}")
-        if self.head_init not in HEAD_INITS:
-            raise ConfigError(f"QDSConfig.head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ConfigError(f"QDSConfig.attention_kernel must be one of {ATTENTION_KERNELS}, "
-                              f"got {self.attention_kernel!r}")
-        if self.head not in HEADS:
-            raise ConfigError(f"QDSConfig.head must be one of {HEADS}, got {self.head!r}")
-        if self.window < 0:
-            raise ConfigError(f"QDSConfig.window must be >= 0, got {self.window}")
-        if self.frozen_layers < 0:
-            raise ConfigError(f"QDSConfig.frozen_layers must be >= 0, got {self.frozen_layers}")
-        if problem := attention_dropout_problem(self.attention_dropout):
-            raise ConfigError(f"QDSConfig.{problem}")
-        if self.max_query_length < 1 or self.max_length < self.max_query_length + 4:
-            raise ConfigError(f"QDSConfig.max_length={self.max_length} must leave room for "
-                              f"max_query_length={self.max_query_length} + [CLS], [SEP], [SOS], [SEP]")
+        dropout_problem = attention_dropout_problem(self.attention_dropout)
+        checks = {
+            "pattern": (self.pattern in PATTERNS, f"must be one of {PATTERNS}, got {self.pattern!r}"),
+            "head_init": (self.head_init in HEAD_INITS, f"must be one of {HEAD_INITS}, got {self.head_init!r}"),
+            "attention_kernel": (self.attention_kernel in ATTENTION_KERNELS,
+                                 f"must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}"),
+            "head": (self.head in HEADS, f"must be one of {HEADS}, got {self.head!r}"),
+            "window": (self.window >= 0, f"must be >= 0, got {self.window}"),
+            "frozen_layers": (self.frozen_layers >= 0, f"must be >= 0, got {self.frozen_layers}"),
+            "attention_dropout": (dropout_problem is None, dropout_problem or ""),
+            "max_length": (self.max_query_length >= 1 and self.max_length >= self.max_query_length + 4,
+                           f"must leave room for max_query_length={self.max_query_length} + [CLS], [SEP], "
+                           f"[SOS], [SEP], got {self.max_length}"),
+        }
+        ConfigError.check_fields("QDSConfig", checks)
 
 
 # ---------------------------------------------------------------------------------------------
