@@ -21,7 +21,8 @@ batch).
 ``--frozen-layers 0,3,5`` times each precision with that many bottom encoder layers not trained
 (``ckray.models.encoders.freeze_bottom_layers``, the embedding layer counted as layer 0);
 ``--attention-dropout 0.1,0`` times each with that attention-probability dropout in every encoder layer
-(MiniLM's own: 0.1); ratios are over fp32 at the first values.
+(MiniLM's own: 0.1); ratios are over fp32 at the first values. ``--models qds-sparse,qds-fused-mask``
+times the QDS-Transformer with either attention kernel (``qds``: the config's ``auto``).
 
     python bench/rerank_train_speed.py --workdir W [--steps 3] [--rounds 2] [--batch-size 4] [--threads 2]
         [--frozen-layers 0,3,5] [--attention-dropout 0.1,0]
@@ -79,7 +80,11 @@ def make_task(model: str, probe: dict[str, list[str]]):
 
     if model == "cedr-knrm":
         return CEDRTask(model_config=CEDRConfig(variant="knrm", head_init="warm", **CEDR_SETTINGS))
-    return QDSTask(model_config=QDSConfig(head_init="warm", **QDS_SETTINGS), warm_triples=probe)
+    kernels = {"qds": "auto", "qds-sparse": "sparse", "qds-fused-mask": "fused-mask"}
+    if model not in kernels:
+        raise SystemExit(f"unknown model {model!r} (cedr-knrm, {', '.join(kernels)})")
+    return QDSTask(model_config=QDSConfig(head_init="warm", attention_kernel=kernels[model], **QDS_SETTINGS),
+                   warm_triples=probe)
 
 
 def padding_efficiency(batches: list[dict[str, torch.Tensor]]) -> float:
@@ -122,7 +127,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", required=True, help="a work directory prepared on SciFact (jobs/prepare.py)")
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "scifact"))
-    ap.add_argument("--models", default="cedr-knrm,qds")
+    ap.add_argument("--models", default="cedr-knrm,qds", help="comma-separated: cedr-knrm, qds (its auto kernel), "
+                                                              "qds-sparse, qds-fused-mask")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4, help="triples per step (the runs of record: 4)")

@@ -240,14 +240,16 @@ def test_fused_mask_kernel_computes_the_sparse_kernels_attention(model: QDSTrans
         grads[kernel] = m.bert.encoder.layer[0].attention.self.key.weight.grad
     chosen = {kernel: QDSTransformer(tiny(attention_kernel=kernel))._attention(batch).func
               for kernel in ("sparse", "fused-mask", "auto")}
-    # on a CPU, auto computes gradients with the sparse kernel and scores short inputs with the fused one
+    # on a CPU, auto trains with the sparse kernel where attention probabilities are dropped (the encoder's
+    # own attention dropout here), and takes the fused one for short inputs without attention dropout
     assert chosen == {"sparse": qds_attention, "fused-mask": fused_masked_attention, "auto": qds_attention}
+    assert QDSTransformer(tiny(attention_dropout=0.0)).train()._attention(batch).func is fused_masked_attention
     with torch.no_grad():
         assert QDSTransformer(tiny()).eval()._attention(batch).func is fused_masked_attention
-    auto = {(device, half, training, n): resolve_attention_kernel("auto", device, half, training, n)
-            for device in ("cuda", "cpu") for half in (True, False) for training in (True, False) for n in (512, 513)}
+    auto = {(device, half, drops, n): resolve_attention_kernel("auto", device, half, drops, n)
+            for device in ("cuda", "cpu") for half in (True, False) for drops in (True, False) for n in (512, 513)}
     assert {key for key, kernel in auto.items() if kernel == "fused-mask"} == {
-        ("cuda", True, training, n) for training in (True, False) for n in (512, 513)} | {
+        ("cuda", True, drops, n) for drops in (True, False) for n in (512, 513)} | {
         ("cpu", half, False, 512) for half in (True, False)}
     assert resolve_attention_kernel("fused-mask", "cpu", False, True, 4096) == "fused-mask"
     assert torch.isfinite(scores["fused-mask"]).all()

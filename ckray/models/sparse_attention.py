@@ -512,7 +512,8 @@ def fused_masked_attention(
     under the pattern's materialised ``[B, n, n]`` mask (:func:`dense_mask`): O(n²) memory for the mask,
     one fused kernel instead of dozens per chunk of query blocks. On an H200 in bf16 one layer's forward
     + backward takes 0.45 ms against 5.2 ms at n = 512 and 3.1 against 5.3 ms at 8,192
-    (``bench/qds_attention.py``, docs/gpu.md); in a CPU training step the sparse path is the faster one.
+    (``bench/qds_attention.py``, docs/gpu.md); in a CPU training step it is the faster one without
+    attention dropout, the sparse path with it (torch's fused attention leaves its fast path there).
     Rows that may attend to nothing (padding) output 0, as in :func:`qds_attention`.
     """
     empty = ~mask.any(dim=-1)                                   # [B, n]: rows with no key

@@ -83,27 +83,30 @@ ATTENTION_KERNELS = ("auto", "sparse", "fused-mask")
 SIMILARITY_HEADS = ("pooled", "maxsim")   # the heads with a γ · similarity term
 POOLED_SCALE = 20.0   # γ of a warm similarity head: the cosine scale MiniLM's bi-encoder was trained at
 
-FUSED_CPU_MAX_LENGTH = 512   # on a CPU, scoring inputs up to this long runs faster with the fused kernel
+FUSED_CPU_MAX_LENGTH = 512   # on a CPU, inputs up to this long run faster with the fused kernel (no attention dropout)
 
 
-def resolve_attention_kernel(kernel: str, device_type: str, reduced_precision: bool, training: bool,
+def resolve_attention_kernel(kernel: str, device_type: str, reduced_precision: bool, attention_dropout: bool,
                              length: int) -> str:
-    """The kernel ``QDSConfig.attention_kernel`` stands for (docs/gpu.md and ``bench/qds_kernels.py``
-    measured each rule):
+    """The kernel ``QDSConfig.attention_kernel`` stands for (docs/gpu.md, ``bench/qds_kernels.py`` and
+    ``bench/rerank_train_speed.py`` measured each rule); ``attention_dropout``: are attention
+    probabilities dropped (training with an attention dropout above 0)?
 
     * on CUDA, ``auto`` is the fused-mask kernel in bf16/fp16 (autocast or a half-precision model): an
       H200 trains 1.09× (2,048 tokens) to 1.47× (512) the sparse kernel's pairs/s with it, while in fp32
       at 2,048 tokens the sparse kernel is 1.17× faster;
-    * on a CPU, ``auto`` is the fused-mask kernel when scoring (no gradients) inputs of at most
-      ``FUSED_CPU_MAX_LENGTH`` tokens: 1.22× (fp32) to 1.68× (bf16) the sparse kernel's pairs/s at 512
-      tokens, even at 1,024 (1.00× and 1.18×), slower at 2,048 (0.69×, 0.75×) and in a training step
-      (0.58× at 512), where the sparse kernel stays.
+    * on a CPU, ``auto`` is the fused-mask kernel for inputs of at most ``FUSED_CPU_MAX_LENGTH`` tokens
+      when no attention probability is dropped: scoring runs 1.22× (fp32) to 1.68× (bf16) the sparse
+      kernel's pairs/s at 512 tokens (1.00× and 1.18× at 1,024, 0.69× and 0.75× at 2,048), and a
+      training step without attention dropout about 1.2×; with attention dropout torch's fused attention
+      leaves its fast path on a CPU and a training step runs 0.43× (fp32) the sparse kernel's pairs/s,
+      so the sparse kernel stays there.
     """
     if kernel != "auto":
         return kernel
     if device_type == "cuda":
         return "fused-mask" if reduced_precision else "sparse"
-    return "fused-mask" if not training and length <= FUSED_CPU_MAX_LENGTH else "sparse"
+    return "fused-mask" if not attention_dropout and length <= FUSED_CPU_MAX_LENGTH else "sparse"
 
 
 @dataclass
@@ -123,7 +126,7 @@ class QDSConfig:
                       (``qds_attention``, O(n·(w + g)) memory), "fused-mask" (torch's fused SDPA under
                       the materialised [n, n] mask, ``fused_masked_attention``: faster on GPUs in bf16)
                       or "auto" (``resolve_attention_kernel``: fused-mask on CUDA in bf16/fp16 and on a CPU
-                      when scoring inputs of at most 512 tokens, else sparse).
+                      for inputs of at most 512 tokens without attention dropout, else sparse).
     num_layers:       keep only the first layers of the encoder (None: all).
     gradient_checkpointing: recompute each layer in the backward pass (memory for long inputs).
     frozen_layers:    bottom layers not trained, the embedding layer counted as layer 0
@@ -336,9 +339,9 @@ class QDSTransformer(nn.Module):
         masks = (batch["attention_mask"].to(self.device), cfg.window, batch["global_mask"].to(self.device),
                  batch["sentence_mask"].to(self.device))
         half = torch.is_autocast_enabled(self.device.type) or self.bert.dtype != torch.float32
-        training = self.training or torch.is_grad_enabled()
+        drops = self.training and any(layer.attention.self.dropout.p > 0 for layer in self.bert.encoder.layer)
         length = batch["attention_mask"].shape[1]
-        if resolve_attention_kernel(cfg.attention_kernel, self.device.type, half, training, length) == "fused-mask":
+        if resolve_attention_kernel(cfg.attention_kernel, self.device.type, half, drops, length) == "fused-mask":
             mask = dense_mask(*masks, pattern=cfg.pattern, sentence_rows_global=cfg.sentence_rows_global)
             return functools.partial(fused_masked_attention, mask=mask)
         layout = build_layout(*masks, pattern=cfg.pattern, sentence_rows_global=cfg.sentence_rows_global,

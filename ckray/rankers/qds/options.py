@@ -19,9 +19,10 @@ class QDSOptions:
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory, slower")
     attention_kernel: str = option("auto", "how the attention pattern is computed (never what): the sparse kernel, "
                                            "O(n·(w + g)) memory (sparse); torch's fused attention under the "
-                                           "materialised n × n mask, faster on GPUs in bf16 and when scoring short "
-                                           "inputs on a CPU (fused-mask); auto: fused-mask on CUDA in bf16/fp16 "
-                                           "and for CPU scoring up to 512 tokens, sparse elsewhere", choices=("auto", "sparse", "fused-mask"))
+                                           "materialised n × n mask, faster on GPUs in bf16 and for short inputs "
+                                           "on a CPU without attention dropout (fused-mask); auto: fused-mask on "
+                                           "CUDA in bf16/fp16 and on a CPU up to 512 tokens without attention "
+                                           "dropout, sparse elsewhere", choices=("auto", "sparse", "fused-mask"))
     frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
                                    "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
     attention_dropout: float | None = option(None, "attention-probability dropout of the encoder's layers in "
