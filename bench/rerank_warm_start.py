@@ -8,8 +8,9 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
 * ``minilm-biencoder``: the zero-shot MiniLM bi-encoder (sentence-transformers' all-MiniLM-L6-v2: mean
   of the token vectors, cosine; query and document encoded apart, documents at 256 word pieces);
 * ``cedr-{knrm,pacrr,drmm}`` and ``vanilla-bert``, warm (``head_init="warm"``) and random (the paper's
-  initialisation, torch seed 0), at the settings of record (MiniLM, 256 tokens × 2 segments). The
-  encoder is the same pretrained MiniLM in all eight models, so one encoder pass serves every head
+  initialisation, torch seed 0), at the settings of record (MiniLM, 256 tokens × 2 segments), and
+  ``cedr-knrm-all-layers/warm``, CEDR-KNRM's warm head over every layer (``knrm_warm_layers="all"``). The
+  encoder is the same pretrained MiniLM in all nine models, so one encoder pass serves every head
   (``CEDRRanker.score_encoding``);
 * ``qds`` warm and random, at its settings of record (MiniLM, 512 tokens, window 128): one encoder
   pass, the [CLS] vectors scored by each head; ``qds-pooled/warm``: the pooled head's step-0 score
@@ -113,6 +114,9 @@ def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torc
             torch.manual_seed(0)
             name = ("vanilla-bert" if v == "vanilla" else f"cedr-{v}") + f"/{init}"
             models[name] = CEDRRanker(CEDRConfig(variant=v, head_init=init, **CEDR_SETTINGS)).eval()
+    torch.manual_seed(0)
+    models["cedr-knrm-all-layers/warm"] = CEDRRanker(CEDRConfig(variant="knrm", head_init="warm",
+                                                                knrm_warm_layers="all", **CEDR_SETTINGS)).eval()
     models["vanilla-bert/warm"].warm_start_head(*map(list, zip(*probe)))
     first = next(iter(models.values()))
     out: dict[str, list[torch.Tensor]] = {name: [] for name in models}

@@ -237,23 +237,34 @@ WARM_DOCS = ["low vitamin d levels and deficiency raise the risk of bone fractur
              "the orchestra played a symphony in the old concert hall"]
 
 
-def test_warm_knrm_head_is_the_sum_of_near_exact_kernel_features():
-    """The warm KNRM head scores Σ_layers Σ_q log soft-TF of the μ = 0.9 and μ = 0.7 kernels / (L+1),
-    recomputed here from S with K-NRM's formula; [CLS] and every other kernel weigh 0."""
-    model = tiny("knrm", head_init="warm")
+@pytest.mark.parametrize("layers", ["last", "all"])
+def test_warm_knrm_head_is_the_sum_of_near_exact_kernel_features(layers):
+    """The warm KNRM head scores Σ_q log soft-TF of near-exact kernels, recomputed here from S with
+    K-NRM's formula: the last layer's μ = 0.9 kernel × 2 (``knrm_warm_layers="last"``, the default), or
+    Σ_layers of the μ = 0.9 and μ = 0.7 kernels / (L+1) (``"all"``); [CLS] and every other kernel weigh 0."""
+    model = tiny("knrm", head_init="warm", knrm_warm_layers=layers)
     w = model.knrm_out.weight[0]
     n_feat = model.n_channels * model.config.n_kernels
     assert torch.all(w[n_feat:] == 0) and float(model.knrm_out.bias.detach()) == 0.0
     per_layer = w[:n_feat].view(model.n_channels, -1)
-    assert torch.all(per_layer[:, 1:3] == 1.0 / model.n_channels)              # μ = 0.9, 0.7
-    assert torch.all(per_layer[:, 0] == 0) and torch.all(per_layer[:, 3:] == 0)  # exact, μ <= 0.5
+    if layers == "last":
+        expected_weights = torch.zeros_like(per_layer)
+        expected_weights[-1, 1] = 2.0                                                # last layer, μ = 0.9
+        mus, read, weight = [0.9], slice(-1, None), 2.0
+    else:
+        expected_weights = torch.zeros_like(per_layer)
+        expected_weights[:, 1:3] = 1.0 / model.n_channels                           # μ = 0.9, 0.7
+        mus, read, weight = [0.9, 0.7], slice(None), 1.0 / model.n_channels
+    assert torch.equal(per_layer, expected_weights)
     with torch.no_grad():
         e = model.encode(model.tokenize_pairs(QUERIES, DOCS))
-        k = torch.exp(-(e.sim[..., None] - torch.tensor([0.9, 0.7])) ** 2 / (2 * 0.1 ** 2))
+        k = torch.exp(-(e.sim[:, read, ..., None] - torch.tensor(mus)) ** 2 / (2 * 0.1 ** 2))
         k = k * e.doc_mask[:, None, None, :, None]
-        tf = torch.log(k.sum(dim=3).clamp(min=1e-10)) * e.query_mask[:, None, :, None]   # [B, L+1, Q, 2]
-        expected = tf.sum(dim=(1, 2, 3)) * model.config.knrm_feature_scale / model.n_channels
+        tf = torch.log(k.sum(dim=3).clamp(min=1e-10)) * e.query_mask[:, None, :, None]   # [B, layers, Q, kernels]
+        expected = tf.sum(dim=(1, 2, 3)) * model.config.knrm_feature_scale * weight
         torch.testing.assert_close(model.score_encoding(e), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="^CEDRConfig.knrm_warm_layers must be one of"):
+        CEDRConfig(knrm_warm_layers="first")
 
 
 @pytest.mark.parametrize("variant", ["knrm", "pacrr", "drmm"])

@@ -25,4 +25,7 @@ class CEDROptions:
     head_init: str = option("warm", "how the ranker head starts: as a lexical matcher over the similarity matrices "
                                     "(warm; vanilla: fitted to the first training triples) or the paper's random "
                                     "initialisation (random)", choices=("warm", "random"))
+    knrm_warm_layers: str = option("last", "CEDR-KNRM's warm head: the μ = 0.9 kernel of the encoder's last layer "
+                                           "(last) or the μ = 0.9 and 0.7 kernels averaged over every layer (all)",
+                                   choices=("last", "all"))
 

@@ -18,7 +18,8 @@ def train(options: CEDROptions, args: argparse.Namespace):
 
     config = CEDRConfig(variant=options.variant, encoder=options.encoder, num_layers=options.num_layers,
                         max_length=options.max_length, max_segments=options.max_segments,
-                        head_init=options.head_init, frozen_layers=options.frozen_layers,
+                        head_init=options.head_init, knrm_warm_layers=options.knrm_warm_layers,
+                        frozen_layers=options.frozen_layers,
                         attention_dropout=options.attention_dropout)
     task = CEDRTask(model_config=config)
     train_config = training_config(args, task.name, **SPEC.training.defaults)  # flag errors before the data
