@@ -69,6 +69,14 @@ def attention_dropout_problem(p: float | None) -> str | None:
     return None
 
 
+def encoder_training_checks(frozen_layers: int, attention_dropout: float | None) -> dict[str, tuple[bool, str]]:
+    """The checks of the encoder-training fields every cross-encoder config has, ``frozen_layers`` and
+    ``attention_dropout``, as entries of a ``ConfigError.check_fields`` table (field → (valid, problem))."""
+    dropout_problem = attention_dropout_problem(attention_dropout)
+    return {"frozen_layers": (frozen_layers >= 0, f"must be >= 0, got {frozen_layers}"),
+            "attention_dropout": (dropout_problem is None, dropout_problem or "")}
+
+
 def set_attention_dropout(encoder: PreTrainedModel, p: float | None) -> None:
     """Set the attention-probability dropout of every layer of a BERT-style encoder (its config's
     ``attention_probs_dropout_prob``: 0.1 in BERT and MiniLM) to ``p``; ``None`` keeps the encoder's own.

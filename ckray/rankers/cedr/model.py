@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import (DEFAULT_ENCODER, attention_dropout_problem, encoder_config,
+from ckray.models.encoders import (DEFAULT_ENCODER, encoder_config, encoder_training_checks,
                                    freeze_bottom_layers, load_encoder, load_tokenizer, set_attention_dropout)
 from ckray.models.kernels import RBFKernels, log_soft_tf
 from ckray.models.losses import pairwise_loss, pairwise_probe
@@ -132,7 +132,6 @@ class CEDRConfig:
     attention_dropout: float | None = None  # encoder's attention dropout in training; None: its own (set_attention_dropout)
 
     def __post_init__(self) -> None:
-        dropout_problem = attention_dropout_problem(self.attention_dropout)
         checks = {
             "variant": (self.variant in VARIANTS, f"must be one of {VARIANTS}, got {self.variant!r}"),
             "head_init": (self.head_init in HEAD_INITS, f"must be one of {HEAD_INITS}, got {self.head_init!r}"),
@@ -143,8 +142,7 @@ class CEDRConfig:
                            f"must leave room for max_query_len={self.max_query_len} query tokens, 3 special "
                            f"tokens and a document token, got {self.max_length}"),
             "max_segments": (self.max_segments >= 1, f"must be >= 1, got {self.max_segments}"),
-            "frozen_layers": (self.frozen_layers >= 0, f"must be >= 0, got {self.frozen_layers}"),
-            "attention_dropout": (dropout_problem is None, dropout_problem or ""),
+            **encoder_training_checks(self.frozen_layers, self.attention_dropout),
         }
         ConfigError.check_fields("CEDRConfig", checks)
 

@@ -66,7 +66,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, attention_dropout_problem, encoder_config,
+from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, encoder_training_checks,
                                    freeze_bottom_layers, load_tokenizer, mean_pool, resolve_encoder,
                                    set_attention_dropout)
 from ckray.models.losses import pairwise_loss, pairwise_probe
@@ -164,7 +164,6 @@ class QDSConfig:
 
     def __post_init__(self) -> None:
         self.encoder = str(self.encoder)
-        dropout_problem = attention_dropout_problem(self.attention_dropout)
         checks = {
             "pattern": (self.pattern in PATTERNS, f"must be one of {PATTERNS}, got {self.pattern!r}"),
             "head_init": (self.head_init in HEAD_INITS, f"must be one of {HEAD_INITS}, got {self.head_init!r}"),
@@ -172,8 +171,7 @@ class QDSConfig:
                                  f"must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}"),
             "head": (self.head in HEADS, f"must be one of {HEADS}, got {self.head!r}"),
             "window": (self.window >= 0, f"must be >= 0, got {self.window}"),
-            "frozen_layers": (self.frozen_layers >= 0, f"must be >= 0, got {self.frozen_layers}"),
-            "attention_dropout": (dropout_problem is None, dropout_problem or ""),
+            **encoder_training_checks(self.frozen_layers, self.attention_dropout),
             "max_length": (self.max_query_length >= 1 and self.max_length >= self.max_query_length + 4,
                            f"must leave room for max_query_length={self.max_query_length} + [CLS], [SEP], "
                            f"[SOS], [SEP], got {self.max_length}"),
