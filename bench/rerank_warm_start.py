@@ -25,8 +25,10 @@ The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) a
 
     python bench/rerank_warm_start.py --workdir W [--data DIR] [--queries 50] [--depth 30] [--probe-triples 32] [--pooled-patterns qds,longformer-qa,local]
 
-``W``: a work directory prepared on SciFact (``jobs/prepare.py``). Prints nDCG@10 per model and ends
-with one JSON line.
+``W``: a work directory prepared on SciFact (``jobs/prepare.py``). Prints nDCG@10 per model, with the
+paired difference from the bi-encoder over the same queries and its standard error (``vs_biencoder`` in
+the JSON: a model is level with the bi-encoder when the difference is within about two of its standard
+errors), and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ sys.path.insert(0, str(ROOT))
 from ckray.data.collections import read_queries_and_qrels  # noqa: E402
 from ckray.data.docstore import DocStore  # noqa: E402
 from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
-from ckray.eval import ndcg_at_10  # noqa: E402
+from ckray.eval import paired_difference, per_query  # noqa: E402
 
 CEDR_SETTINGS = dict(max_length=256, max_segments=2)        # the CEDR runs of record (docs/results.md)
 QDS_SETTINGS = dict(max_length=512, window=128, pattern="qds")  # the QDS run of record
+BASELINE = "minilm-biencoder"   # what every step-0 score is compared with, query by query
 
 
 def load_dev(data: Path, workdir: str, n_queries: int, depth: int, n_probe: int, seed: int = 0):
@@ -75,11 +78,13 @@ def load_dev(data: Path, workdir: str, n_queries: int, depth: int, n_probe: int,
     return {q: queries[q] for q in dev_q}, pairs, texts, {q: train[q] for q in dev_q}, bm25, probe
 
 
-def ndcg(pairs: list[tuple[str, str]], scores: torch.Tensor, qrels) -> float:
+def per_query_ndcg(pairs: list[tuple[str, str]], scores: torch.Tensor, qrels) -> list[float]:
+    """nDCG@10 of each dev query (in ``sorted(qrels)`` order) when its candidates are ordered by ``scores``."""
     run: dict[str, list[tuple[str, float]]] = {}
     for (q, d), s in zip(pairs, scores.tolist()):
         run.setdefault(q, []).append((d, float(s)))
-    return round(float(ndcg_at_10(run, qrels)), 4)
+    values = per_query(run, qrels, ("nDCG@10",))
+    return [values.get(q, {}).get("nDCG@10", 0.0) for q in sorted(qrels)]
 
 
 def biencoder_scores(queries, pairs, texts, batch_size: int) -> torch.Tensor:
@@ -179,8 +184,9 @@ def main() -> None:
     queries, pairs, texts, qrels, bm25, probe = load_dev(Path(args.data), args.workdir, args.queries, args.depth,
                                                          args.probe_triples)
     result: dict = {"bench": "rerank_warm_start", "dev_queries": len(queries), "depth": args.depth,
-                    "pairs": len(pairs), "probe_triples": len(probe), "ndcg@10": {}, "seconds": {}}
-    result["ndcg@10"]["bm25"] = ndcg(pairs, torch.tensor([s for q in sorted(queries) for _, s in bm25[q]]), qrels)
+                    "pairs": len(pairs), "probe_triples": len(probe), "ndcg@10": {}, "vs_biencoder": {}, "seconds": {}}
+    per_query_scores = {"bm25": per_query_ndcg(pairs, torch.tensor([s for q in sorted(queries) for _, s in bm25[q]]),
+                                               qrels)}
     parts = {"biencoder": lambda: {"minilm-biencoder": biencoder_scores(queries, pairs, texts, args.batch_size)},
              "cedr": lambda: cedr_scores(queries, pairs, texts, probe, args.batch_size),
              "qds": lambda: qds_scores(queries, pairs, texts, probe, args.batch_size,
@@ -190,11 +196,18 @@ def main() -> None:
             continue
         start = time.perf_counter()
         for name, scores in run().items():
-            result["ndcg@10"][name] = ndcg(pairs, scores, qrels)
+            per_query_scores[name] = per_query_ndcg(pairs, scores, qrels)
         result["seconds"][part] = round(time.perf_counter() - start, 1)
-        print(f"{part}: {result['seconds'][part]} s; nDCG@10 so far {json.dumps(result['ndcg@10'])}", file=sys.stderr)
-    for name, value in result["ndcg@10"].items():
-        print(f"{name:24s} {value:.4f}")
+        print(f"{part}: {result['seconds'][part]} s", file=sys.stderr)
+    reference = per_query_scores.get(BASELINE)
+    for name, values in per_query_scores.items():
+        result["ndcg@10"][name] = round(sum(values) / len(values), 4)
+        line = f"{name:28s} {result['ndcg@10'][name]:.4f}"
+        if reference is not None and name != BASELINE:
+            diff, se = paired_difference(values, reference)
+            result["vs_biencoder"][name] = {"diff": round(diff, 4), "se": round(se, 4)}
+            line += f"   {diff:+.4f} ± {se:.4f} against the bi-encoder"
+        print(line)
     print(json.dumps(result))
 
 

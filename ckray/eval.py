@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import ir_measures
 from ir_measures import parse_measure
 
@@ -36,3 +39,15 @@ def per_query(run: Run, qrels: Qrels, measures=DEFAULT_MEASURES) -> dict[str, di
 
 def ndcg_at_10(run: Run, qrels: Qrels) -> float:
     return evaluate(run, qrels, ("nDCG@10",))["nDCG@10"]
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Mean of the per-query differences ``a_q − b_q`` of two systems on the same queries, and its
+    standard error (the differences' sample standard deviation / √n; 0 for a single query)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_difference needs two non-empty lists over the same queries, got {len(a)} and {len(b)}")
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else 0.0
+    return mean, se

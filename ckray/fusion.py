@@ -191,10 +191,9 @@ def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, 
 
 def _within_one_se(scores: Sequence[float], best: Sequence[float]) -> bool:
     """Is the mean of ``scores`` within one standard error of ``best``'s, paired by query?"""
-    diffs = [a - b for a, b in zip(scores, best)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else 0.0
+    from ckray.eval import paired_difference
+
+    mean, se = paired_difference(scores, best)
     return mean >= -se - 1e-12
 
 

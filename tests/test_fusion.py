@@ -2,12 +2,14 @@
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from ckray.errors import ConfigError, MissingArtifactError
+from ckray.eval import paired_difference
 from ckray.fusion import (DEFAULT_WEIGHT_RULE, FusedRetriever, InterpolationConfig, above_rest, grid_search, interpolate, judged_queries,
                           linear_fusion, load_interpolation, reciprocal_rank_fusion, save_interpolation, tune_weight)
 from ckray.pipelines import is_interpolated, parse_pipeline
@@ -119,6 +121,16 @@ def test_the_one_se_rule_takes_the_largest_weight_within_one_paired_standard_err
     assert grid_search(fused, qrels, [0.0, 1.0, 2.0], rule="one-se")[0] == 2.0
     with pytest.raises(ConfigError, match="unknown rule for choosing w: 'median'"):
         grid_search(fused, qrels, [0.0], name="w", rule="median")
+
+
+def test_a_paired_difference_is_the_mean_of_per_query_differences_with_its_standard_error():
+    mean, se = paired_difference([0.5, 0.7, 1.0], [0.5, 0.5, 0.5])   # differences 0, 0.2, 0.5
+    assert mean == pytest.approx(0.7 / 3)
+    assert se == pytest.approx(math.sqrt(((0 - 0.7 / 3) ** 2 + (0.2 - 0.7 / 3) ** 2 + (0.5 - 0.7 / 3) ** 2) / 2 / 3))
+    assert paired_difference([0.3], [0.1]) == (pytest.approx(0.2), 0.0)
+    assert paired_difference([0.4, 0.6], [0.4, 0.6]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same queries, got 2 and 1"):
+        paired_difference([0.1, 0.2], [0.1])
 
 
 def test_tuned_weights_record_their_rule():
