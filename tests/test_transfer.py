@@ -49,13 +49,14 @@ def _batch(workdir: Path, n: int = 12) -> dict[str, np.ndarray]:
 
 def test_corpus_statistics_with_a_ray_task_per_shard_equal_one_pass(two_corpora):
     from ckray.data.shards import shard_paths
-    from ckray.rankers.ck_qti.impact import sharded_corpus_statistics
+    from ckray.data.statistics import sharded_corpus_statistics
+    from ckray.rankers.ck_qti.model import piece_tokenisation
 
     config = load_ck_model(two_corpora["checkpoint"]).config
     for workdir in (two_corpora["train"], two_corpora["target"]):
         assert len(shard_paths(workdir)) > 1
         one_pass = corpus_statistics(iter_doc_texts(workdir), config)
-        sharded = sharded_corpus_statistics(workdir, config)
+        sharded = sharded_corpus_statistics(workdir, piece_tokenisation(config))
         assert torch.equal(sharded.doc_freq, one_pass.doc_freq) and sharded.n_docs == one_pass.n_docs
         assert sharded.mean_doc_len == one_pass.mean_doc_len
 

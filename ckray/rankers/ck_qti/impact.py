@@ -96,7 +96,9 @@ import pyarrow.parquet as pq
 
 from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
                                    timing_columns, validate_checks)
+from ckray.data import statistics
 from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic
+from ckray.data.statistics import has_corpus
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
 from ckray.rankers.ck_qti.options import DEFAULT_EXPLICIT_WEIGHT, DEFAULT_TOP_K
@@ -243,69 +245,12 @@ def deployed_impact_settings(checkpoint: str | os.PathLike, top_k: int | None = 
 # Collection statistics of the corpus being indexed
 # =============================================================================================
 
-STATS_FILE = "corpus_stats.npz"
-
-
 def cached_corpus_statistics(workdir: str | os.PathLike, config: Any):
-    """``ckray.rankers.ck_qti.model.corpus_statistics`` of ``workdir``'s corpus (streamed from its
-    shards, tokenised as ``config``'s encoder and ``max_doc_len`` do), kept in ``W/impact/corpus_stats.npz``
-    for the corpus manifest and tokenisation it was computed for."""
-    import torch
+    """``ckray.data.statistics.cached_corpus_statistics`` of ``workdir``'s corpus, tokenised as the
+    CK-QTI ``config``'s encoder and ``max_doc_len`` do."""
+    from ckray.rankers.ck_qti.model import piece_tokenisation
 
-    from ckray.rankers.ck_qti.model import CorpusStats
-
-    key = json.dumps({"corpus_sha256": read_manifest(workdir).get("input_sha256"), "encoder": config.encoder,
-                      "vocab_size": config.vocab_size, "max_doc_len": config.max_doc_len}, sort_keys=True)
-    path = impact_root(workdir) / STATS_FILE
-    if path.exists():
-        with np.load(path) as saved:
-            if str(saved["key"]) == key:
-                return CorpusStats(torch.from_numpy(saved["doc_freq"]), int(saved["n_docs"]),
-                                   float(saved["mean_doc_len"]))
-    stats = sharded_corpus_statistics(workdir, config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
-    np.savez(tmp, key=key, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs, mean_doc_len=stats.mean_doc_len)
-    os.replace(tmp, path)
-    return stats
-
-
-def sharded_corpus_statistics(workdir: str | os.PathLike, config: Any):
-    """``corpus_statistics`` of ``workdir``'s corpus with one Ray task per corpus shard (each tokenises its
-    shard as the model does, ``count_pieces``), the counts summed as the tasks finish: the same statistics as one
-    pass in one process, spread over the cluster's CPUs; the driver holds one vocabulary-sized count at a time."""
-    import ray
-
-    from ckray.data.shards import shard_paths
-    from ckray.rankers.ck_qti.model import CorpusStats
-    from ckray.ray_env import init_ray
-
-    init_ray()
-    count = ray.remote(num_cpus=1)(_count_shard)
-    pending = [count.remote(str(p), config) for p in shard_paths(workdir)]
-    doc_freq, n_docs, n_pieces = np.zeros(config.vocab_size, np.int64), 0, 0
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        df, docs, pieces = ray.get(done[0])
-        doc_freq += df
-        n_docs += docs
-        n_pieces += pieces
-    return CorpusStats.of_counts(doc_freq, n_docs, n_pieces)
-
-
-def _count_shard(path: str, config: Any) -> tuple[np.ndarray, int, int]:
-    """Ray task of :func:`sharded_corpus_statistics`: one shard's counts."""
-    from ckray.data.shards import shard_doc_texts
-    from ckray.rankers.ck_qti.model import count_pieces
-
-    return count_pieces(shard_doc_texts(path), config)
-
-
-def has_corpus(workdir: str | os.PathLike) -> bool:
-    """Whether ``workdir`` holds prepared corpus shards (a manifest)."""
-    from ckray.data.shards import MANIFEST, shards_dir
-
-    return (shards_dir(workdir) / MANIFEST).exists()
+    return statistics.cached_corpus_statistics(workdir, piece_tokenisation(config))
 
 
 def training_mean_doc_len(checkpoint: str | os.PathLike, model: Any) -> float | None:

@@ -150,8 +150,9 @@ class ImpactReranker:
 
     def _compute(self, doc_ids: list[str]) -> None:
         if self._scorer is None:
+            from ckray.data.statistics import has_corpus
             from ckray.device import default_device
-            from ckray.rankers.ck_qti.impact import TermImpactScorer, corpus_adaptation, has_corpus
+            from ckray.rankers.ck_qti.impact import TermImpactScorer, corpus_adaptation
             from ckray.rankers.ck_qti.model import load_ck_model
 
             model = load_ck_model(self.checkpoint)

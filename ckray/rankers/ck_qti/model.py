@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckray.data import statistics
+from ckray.data.statistics import CorpusStats, Tokenisation, bm25_idf
 from ckray.errors import ConfigError
 from ckray.models.kernels import RBFKernels, pad_for_windows, window_mask, windowed_soft_tf
 from ckray.models.losses import pairwise_loss  # noqa: F401  (CK's training loss, importable from here)
@@ -276,12 +278,6 @@ class BatchScale(nn.Module):
         return x / (mean.to(x.dtype) + self.eps)
 
 
-def bm25_idf(doc_freq: torch.Tensor, n_docs: int) -> torch.Tensor:
-    """IDF_t = log(1 + (N − df_t + 0.5) / (df_t + 0.5)) (Lucene's BM25 idf; always positive)."""
-    df = doc_freq.to(torch.float64)
-    return torch.log1p((n_docs - df + 0.5) / (df + 0.5)).to(torch.float32)
-
-
 def term_frequency(doc_ids: torch.Tensor, doc_mask: torch.Tensor, term_ids: torch.Tensor) -> torch.Tensor:
     """TF_{t,d} of each term id in each document ``[B, n]`` (real positions in ``doc_mask``):
     ``term_ids [T] or [B, T] -> [B, T]`` (float)."""
@@ -349,49 +345,14 @@ def tokenize(texts: Sequence[str], max_len: int, encoder: str | None = None,
     return ids, torch.arange(n)[None, :] < lengths[:, None]
 
 
-@dataclass
-class CorpusStats:
-    """What the explicit match needs from a corpus: document frequency per vocabulary id, N, mean |d|."""
-
-    doc_freq: torch.Tensor
-    n_docs: int
-    mean_doc_len: float
-
-    @classmethod
-    def of_counts(cls, doc_freq: np.ndarray, n_docs: int, n_pieces: int) -> "CorpusStats":
-        """From :func:`count_pieces`' counts (of a whole corpus, or summed over its parts)."""
-        return cls(torch.from_numpy(doc_freq), n_docs, n_pieces / max(n_docs, 1))
+def piece_tokenisation(config: CKConfig) -> Tokenisation:
+    """How CK-QTI reads a document: its encoder's word pieces, truncated at ``max_doc_len``."""
+    return Tokenisation(config.encoder, config.vocab_size, config.max_doc_len)
 
 
 def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> CorpusStats:
     """Document frequencies and mean length over ``texts``, tokenised (and truncated) as the model does."""
-    return CorpusStats.of_counts(*count_pieces(texts, config, batch_size))
-
-
-def count_pieces(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> tuple[np.ndarray, int, int]:
-    """(document frequency of each word piece, documents, word pieces) over ``texts``, tokenised as the model
-    does: counts that add up over parts of a corpus."""
-    from ckray.models.encoders import load_tokenizer
-
-    tok = load_tokenizer(config.encoder)
-    df = np.zeros(config.vocab_size, dtype=np.int64)
-    n_docs, n_pieces, batch = 0, 0, []
-
-    def flush() -> None:
-        nonlocal n_pieces
-        for p in tok(batch, add_special_tokens=False, truncation=True, max_length=config.max_doc_len)["input_ids"]:
-            df[np.unique(np.asarray(p, dtype=np.int64))] += 1
-            n_pieces += len(p)
-        batch.clear()
-
-    for text in texts:
-        batch.append(text)
-        n_docs += 1
-        if len(batch) >= batch_size:
-            flush()
-    if batch:
-        flush()
-    return df, n_docs, n_pieces
+    return statistics.corpus_statistics(texts, piece_tokenisation(config), batch_size)
 
 
 def explicit_training_statistics(queries: Sequence[str], docs: Sequence[str], config: CKConfig,
