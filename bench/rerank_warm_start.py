@@ -17,7 +17,8 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
   (γ · cos of the mean query and document vectors, ``head="pooled"``) from the same pass, and with
   ``--pooled-patterns`` under the ablation patterns too (how much the query's global attention to the
   document costs the cosine); ``qds-maxsim/warm``: the MaxSim head's step-0 score (γ · ColBERT's MaxSim,
-  ``head="maxsim"``) from the same pass.
+  ``head="maxsim"``) from the same pass, and ``qds-maxsim-idf/warm``, the same MaxSim averaged with the
+  weights of ``query_weights="idf"``: each query word piece's IDF in the work directory's corpus.
 
 The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) are fitted on
 ``--probe-triples`` (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of
@@ -134,18 +135,23 @@ def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torc
     return {name: torch.cat(s) for name, s in out.items()}
 
 
-def qds_scores(queries, pairs, texts, probe, batch_size: int, pooled_patterns: list[str]) -> dict[str, torch.Tensor]:
+def qds_scores(queries, pairs, texts, probe, batch_size: int, pooled_patterns: list[str],
+               workdir: str) -> dict[str, torch.Tensor]:
     """One QDS encoding of every pair: its [CLS] vectors scored by the random head and by the
-    probe-fitted warm head, and the warm pooled and MaxSim heads' scores; the pooled head
-    also under each attention pattern of ``pooled_patterns`` other than "qds" (one more pass each)."""
-    from ckray.rankers.qds.model import (POOLED_SCALE, QDSConfig, QDSTransformer, maxsim_similarity,
-                                         pooled_similarity)
+    probe-fitted warm head, and the warm pooled and MaxSim heads' scores (MaxSim uniform and
+    IDF-weighted by ``workdir``'s corpus); the pooled head also under each attention pattern of
+    ``pooled_patterns`` other than "qds" (one more pass each)."""
+    from ckray.data.statistics import cached_corpus_statistics
+    from ckray.rankers.qds.model import (POOLED_SCALE, QDSConfig, QDSTransformer, collection_tokenisation,
+                                         maxsim_similarity, pooled_similarity)
 
+    idf = cached_corpus_statistics(workdir, collection_tokenisation(QDSConfig(**QDS_SETTINGS, head="maxsim",
+                                                                              query_weights="idf"))).idf
     out: dict[str, torch.Tensor] = {}
     for pattern in dict.fromkeys(["qds", *pooled_patterns]):
         torch.manual_seed(0)
         model = QDSTransformer(QDSConfig(**{**QDS_SETTINGS, "pattern": pattern})).eval()
-        cls, pooled, maxsim = [], [], []
+        cls, pooled, maxsim, maxsim_idf = [], [], [], []
         with torch.no_grad():
             for i in range(0, len(pairs), batch_size):
                 chunk = pairs[i:i + batch_size]
@@ -154,9 +160,11 @@ def qds_scores(queries, pairs, texts, probe, batch_size: int, pooled_patterns: l
                 cls.append(hidden[:, 0].float())
                 pooled.append(POOLED_SCALE * pooled_similarity(hidden, batch))
                 maxsim.append(POOLED_SCALE * maxsim_similarity(hidden, batch))
+                maxsim_idf.append(POOLED_SCALE * maxsim_similarity(hidden, batch, idf))
             out["qds-pooled/warm" if pattern == "qds" else f"qds-{pattern}-pooled/warm"] = torch.cat(pooled)
             if pattern == "qds":
                 out["qds-maxsim/warm"] = torch.cat(maxsim)
+                out["qds-maxsim-idf/warm"] = torch.cat(maxsim_idf)
                 cls_vectors = torch.cat(cls)
                 out["qds/random"] = model.score(cls_vectors).squeeze(-1)
                 model.warm_start_head(*map(list, zip(*probe)), batch_size=batch_size)
@@ -190,7 +198,7 @@ def main() -> None:
     parts = {"biencoder": lambda: {"minilm-biencoder": biencoder_scores(queries, pairs, texts, args.batch_size)},
              "cedr": lambda: cedr_scores(queries, pairs, texts, probe, args.batch_size),
              "qds": lambda: qds_scores(queries, pairs, texts, probe, args.batch_size,
-                                     list(filter(None, args.pooled_patterns.split(","))))}
+                                     list(filter(None, args.pooled_patterns.split(","))), args.workdir)}
     for part, run in parts.items():
         if part in skip:
             continue

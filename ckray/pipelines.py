@@ -122,7 +122,7 @@ def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker
     factory = rankers.reranker_factory(name)
     if factory is not None:
         return rankers.resolve(factory)(path, workdir, DocStore(workdir).text, **options)
-    return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, **options)
+    return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, workdir=str(workdir), **options)
 
 
 @dataclass

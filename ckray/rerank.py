@@ -120,12 +120,16 @@ def rerank_local(model: Any, queries: Mapping[str, str], run: Run, doc_text: Doc
 class PairScorer:
     """A Ray Data actor: loads the checkpoint once, then scores batches of (query, doc) rows."""
 
-    def __init__(self, model_path: str, use_gpu: bool = False, torch_threads: int = 0):
+    def __init__(self, model_path: str, use_gpu: bool = False, torch_threads: int = 0,
+                 statistics: Any = None):
         from ckray.batch_inference import actor_device
         from ckray.models.checkpoint import load_model
 
         self.device = actor_device(use_gpu, torch_threads)
-        self.model = load_model(model_path, map_location="cpu").to(self.device).eval()
+        model = load_model(model_path, map_location="cpu")
+        if statistics is not None:  # the collection statistics of the corpus being reranked
+            model.set_collection_statistics(statistics)
+        self.model = model.to(self.device).eval()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         queries = [str(x) for x in batch["query"]]
@@ -138,11 +142,14 @@ class PairScorer:
 
 def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, doc_text: DocText,
            depth: int = 100, *, batch_size: int = 16, num_actors: int = 1,
-           num_cpus_per_actor: float = 1.0, num_gpus_per_actor: float | None = None) -> Run:
+           num_cpus_per_actor: float = 1.0, num_gpus_per_actor: float | None = None,
+           statistics: Any = None) -> Run:
     """Rerank as Ray batch inference: ``Dataset`` of pairs → ``map_batches`` on an actor pool.
 
     Uses the running Ray cluster (or starts a local one). ``num_gpus_per_actor`` (e.g. 1 or 0.5)
     places each actor on a GPU; without it the actors score on CPUs with ``num_cpus_per_actor`` threads.
+    ``statistics``: the collection statistics (``ckray.data.statistics.CorpusStats``) of the corpus being
+    reranked, given to each actor's model (``set_collection_statistics``) when the model reads any.
     """
     import ray.data
 
@@ -158,7 +165,7 @@ def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, 
     n_blocks = max(1, min(len(rows) // max(1, batch_size), 4 * num_actors))
     ds = ray.data.from_items(rows, override_num_blocks=n_blocks)
     scored = map_on_actors(ds, PairScorer, {"model_path": str(model_path), "use_gpu": pool.use_gpu,
-                                            "torch_threads": pool.torch_threads}, pool)
+                                            "torch_threads": pool.torch_threads, "statistics": statistics}, pool)
     scores = KeyedRows(((r["qid"], r["doc_id"]) for r in rows), "Ray reranking")
     with ckray_errors_surfaced():  # a CkrayError in an actor ends the job with its own one line
         for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
@@ -173,30 +180,49 @@ class CheckpointReranker:
     """A reranker over a checkpoint directory with the DESIGN contract ``rerank(queries, run, depth)``.
 
     ``use_ray=False`` loads the model once in this process (serving, small runs); ``use_ray=True``
-    runs every call as Ray batch inference on an actor pool (``rerank``).
+    runs every call as Ray batch inference on an actor pool (``rerank``). A model that reads collection
+    statistics (the QDS-Transformer's IDF-weighted MaxSim head) reads those of ``workdir``'s corpus, the
+    one being reranked, not its training collection's (``ckray.data.statistics``).
     """
 
     model_path: str
     doc_text: DocText
+    workdir: str | None = None
     batch_size: int = 16
     use_ray: bool = False
     num_actors: int = 1
     num_cpus_per_actor: float = 1.0
     num_gpus_per_actor: float | None = None
     _model: Any = field(default=None, init=False, repr=False)
+    _statistics: Any = field(default=None, init=False, repr=False)
 
     @property
     def model(self) -> Any:
         if self._model is None:
+            from ckray.data.statistics import collection_statistics_for
             from ckray.device import default_device
             from ckray.models.checkpoint import load_model
 
-            self._model = load_model(self.model_path).to(default_device()).eval()
+            model = load_model(self.model_path)
+            self._statistics = collection_statistics_for(model, self.workdir)
+            if self._statistics is not None:
+                model.set_collection_statistics(self._statistics)
+            self._model = model.to(default_device()).eval()
         return self._model
+
+    @property
+    def settings(self) -> dict:
+        """The collection statistics the model reads, when it reads any (what an evaluation records)."""
+        from ckray.data.statistics import statistics_stamp
+
+        if self.model is not None and self._statistics is not None:
+            return {"reranker_collection_statistics": statistics_stamp(self.workdir, self._statistics)}
+        return {}
 
     def rerank(self, queries: Mapping[str, str], run: Run, depth: int = 100) -> Run:
         if self.use_ray:
             return rerank(self.model_path, queries, run, self.doc_text, depth, batch_size=self.batch_size,
                           num_actors=self.num_actors, num_cpus_per_actor=self.num_cpus_per_actor,
-                          num_gpus_per_actor=self.num_gpus_per_actor)
+                          num_gpus_per_actor=self.num_gpus_per_actor,
+                          statistics=self._statistics if self.model is not None else None)
         return rerank_local(self.model, queries, run, self.doc_text, depth, self.batch_size)

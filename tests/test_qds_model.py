@@ -455,3 +455,54 @@ def test_attention_dropout_is_set_on_every_encoder_layer():
         assert {layer.attention.self.dropout.p for layer in model.bert.encoder.layer} == {expected}
     with pytest.raises(ConfigError, match="attention_dropout must be in \\[0, 1\\), got 1.5"):
         tiny(attention_dropout=1.5)
+
+
+def test_idf_query_weights_weight_each_query_piece_by_its_collection_idf_and_the_checkpoint_keeps_them(tmp_path):
+    """query_weights="idf": the MaxSim head is Σ_i idf(q_i) · max_j cos(h_qi, h_dj) / Σ_i idf(q_i), computed
+    here by hand with BM25's IDF of a small collection; the training task sets the IDF from its
+    collection_statistics (an error without them) and the checkpoint keeps it."""
+    from ckray.data.statistics import bm25_idf, corpus_statistics
+    from ckray.rankers.qds.model import POOLED_SCALE
+
+    collection = DOCS + ["vitamin d was measured in every adult", "the mice were fed a control diet"]
+    config = tiny(head="maxsim", head_init="warm", query_weights="idf")
+    stats = corpus_statistics(collection, QDSTransformer(config).collection_tokenisation)
+    with pytest.raises(ConfigError, match="no collection_statistics"):
+        QDSTask(model_config=config).build_model()
+    torch.manual_seed(0)
+    m = QDSTask(model_config=config, collection_statistics=stats).build_model().eval()
+    torch.testing.assert_close(m.piece_idf, bm25_idf(stats.doc_freq, stats.n_docs))
+    batch = m.build_batch(QUERIES, DOCS)
+    with torch.no_grad():
+        hidden = m.encode(batch)
+        scores = m(batch)
+    uniform = QDSTransformer(tiny(head="maxsim", head_init="warm")).eval()
+    uniform.load_state_dict({k: v for k, v in m.state_dict().items() if k != "piece_idf"})
+    with torch.no_grad():
+        assert not torch.allclose(uniform(batch), scores, atol=1e-3)   # the weights change the score
+    for i, query in enumerate(QUERIES):
+        q_ids = m.tokenizer(query, add_special_tokens=False)["input_ids"]
+        ids, n = batch["input_ids"][i], int(batch["attention_mask"][i].sum())
+        doc_positions = [j for j in range(len(q_ids) + 2, n) if int(ids[j]) != m.tokenizer.convert_tokens_to_ids("[unused1]")]
+        unit_q = torch.nn.functional.normalize(hidden[i, 1: len(q_ids) + 1], dim=-1)
+        unit_d = torch.nn.functional.normalize(hidden[i, doc_positions], dim=-1)
+        idf = m.piece_idf[torch.tensor(q_ids)]
+        expected = POOLED_SCALE * (idf * (unit_q @ unit_d.T).max(dim=1).values).sum() / idf.sum()
+        torch.testing.assert_close(scores[i], expected, atol=1e-5, rtol=1e-5)
+    save_model(m, tmp_path / "qds")
+    loaded = load_model(tmp_path / "qds")
+    assert loaded.config.query_weights == "idf" and torch.equal(loaded.piece_idf, m.piece_idf)
+
+
+def test_idf_query_weights_need_the_maxsim_head_and_statistics_of_the_models_vocabulary():
+    with pytest.raises(ConfigError, match="'idf' needs head='maxsim'"):
+        tiny(head="cls", query_weights="idf")
+    with pytest.raises(ConfigError, match="query_weights must be one of"):
+        tiny(head="maxsim", query_weights="bm25")
+    from ckray.data.statistics import CorpusStats
+
+    m = QDSTransformer(tiny(head="maxsim", query_weights="idf"))
+    with pytest.raises(ConfigError, match=r"statistics of 100 word pieces do not fit .* vocabulary of 30522"):
+        m.set_collection_statistics(CorpusStats(torch.ones(100, dtype=torch.long), 10, 5.0))
+    with pytest.raises(ConfigError, match="reads no collection statistics"):
+        QDSTransformer(tiny(head="maxsim")).set_collection_statistics(CorpusStats(torch.ones(30522), 10, 5.0))

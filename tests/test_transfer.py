@@ -209,3 +209,42 @@ def test_impact_settings_saved_with_the_checkpoint_are_its_index_defaults_and_fl
         assert deployed_impact_settings(checkpoint, 32, 0.0) == (32, 0.0, None)
     finally:
         deploy_path(checkpoint).unlink()
+
+
+# ------------------------------------------------------------------------------ rerankers
+
+
+def test_a_qds_reranker_weights_query_pieces_by_the_idf_of_the_collection_it_reranks(two_corpora, tmp_path):
+    """A QDS checkpoint with query_weights="idf", trained (here: set) with its training corpus's IDF,
+    reranks another work directory with that directory's IDF, in process and on Ray actors alike, and the
+    evaluation settings record which statistics; the checkpoint itself keeps its training IDF."""
+    from ckray.data.statistics import corpus_statistics
+    from ckray.models.checkpoint import load_model
+    from ckray.rankers.qds.model import QDSConfig, QDSTransformer
+    from ckray.rerank import CheckpointReranker
+
+    bert = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=128, type_vocab_size=2)
+    torch.manual_seed(0)
+    model = QDSTransformer(QDSConfig(pretrained=False, bert_config=bert, max_length=128, window=16, head="maxsim",
+                                     head_init="warm", query_weights="idf"))
+    tokenisation = model.collection_tokenisation
+    train, target = (corpus_statistics(iter_doc_texts(two_corpora[w]), tokenisation) for w in ("train", "target"))
+    model.set_collection_statistics(train)
+    checkpoint = save_model(model, tmp_path / "checkpoints" / "qds")
+    texts = dict(zip(load_corpus_table(two_corpora["target"])["doc_id"].to_pylist(),
+                     iter_doc_texts(two_corpora["target"])))
+    reranker = CheckpointReranker(str(checkpoint), texts, workdir=str(two_corpora["target"]))
+    torch.testing.assert_close(reranker.model.piece_idf, target.idf)
+    assert not torch.allclose(load_model(checkpoint).piece_idf, target.idf)
+    assert torch.equal(load_model(checkpoint).piece_idf, train.idf)
+    stamp = reranker.settings["reranker_collection_statistics"]
+    assert stamp["n_docs"] == target.n_docs != train.n_docs and stamp["doc_freq_sha256"] == target.digest()
+    run = {"q": [(d, 1.0 / (i + 1)) for i, d in enumerate(list(texts)[:6])]}
+    queries = {"q": "vitamin d and fractures"}
+    local = reranker.rerank(queries, run, depth=6)
+    on_ray = CheckpointReranker(str(checkpoint), texts, workdir=str(two_corpora["target"]), use_ray=True)
+    for (d1, s1), (d2, s2) in zip(local["q"], on_ray.rerank(queries, run, depth=6)["q"]):
+        assert d1 == d2 and s1 == pytest.approx(s2, abs=1e-4)
+    as_trained = CheckpointReranker(str(checkpoint), texts)   # no work directory: the training IDF
+    assert torch.equal(as_trained.model.piece_idf, train.idf) and as_trained.settings == {}

@@ -149,3 +149,17 @@ def cached_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisat
     os.replace(tmp, path)
     return stats
 
+
+def collection_statistics_for(model: object, workdir: str | os.PathLike | None) -> CorpusStats | None:
+    """The word-piece statistics of ``workdir``'s corpus that ``model`` reads (a model that reads any
+    names their ``collection_tokenisation``); None when it reads none, or without a corpus to count."""
+    tokenisation = getattr(model, "collection_tokenisation", None)
+    if tokenisation is None or workdir is None or not has_corpus(workdir):
+        return None
+    return cached_corpus_statistics(workdir, tokenisation)
+
+
+def statistics_stamp(workdir: str | os.PathLike, stats: CorpusStats) -> dict:
+    """What an evaluation records of the collection statistics a reranker read."""
+    return {"workdir": str(workdir), "n_docs": stats.n_docs, "mean_doc_len": round(stats.mean_doc_len, 3),
+            "doc_freq_sha256": stats.digest()}

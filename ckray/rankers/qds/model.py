@@ -38,6 +38,14 @@ Score heads (``head``):
   the whole document, into one; at step 0 it ranks level with the zero-shot MiniLM bi-encoder on
   SciFact dev, the pooled cosine well below it (docs/results.md, "Warm-started cross-encoders").
 
+Query weights of the MaxSim head (``query_weights``): ``"uniform"``, the mean above, or ``"idf"``, the
+mean weighted by each query word piece's IDF in the collection being reranked,
+``Σ_i idf(q_i) · max_j cos(h_qi, h_dj) / Σ_i idf(q_i)``, as BM25 weights its query terms (Robertson &
+Zaragoza 2009, Eq. 3.3's IDF; ``ckray.data.statistics.bm25_idf``), so "the" and "of" count less than the
+words that carry the query. The IDF comes from the collection a checkpoint reranks, not the one it was
+trained on (``set_collection_statistics``, called by ``ckray.rerank.CheckpointReranker`` with its work
+directory's word-piece statistics); the checkpoint keeps its training collection's for use without one.
+
 Warm start (``head_init="warm"``; ``"random"``: the paper's N(0, 0.02) head, and γ = 0). With
 ``head="cls"`` the head's initial weight is the pairwise probe of a few training triples
 (``QDSTransformer.warm_start_head``, ``ckray.models.losses.pairwise_probe``): the linear function of
@@ -65,6 +73,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel
 
+from ckray.data.statistics import CorpusStats, Tokenisation
 from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, encoder_training_checks,
                                    freeze_bottom_layers, load_tokenizer, mean_pool, resolve_encoder,
@@ -81,6 +90,7 @@ HEAD_INITS = ("warm", "random")
 HEADS = ("cls", "pooled", "maxsim")
 ATTENTION_KERNELS = ("auto", "sparse", "fused-mask")
 SIMILARITY_HEADS = ("pooled", "maxsim")   # the heads with a γ · similarity term
+QUERY_WEIGHTS = ("uniform", "idf")        # how the MaxSim head averages over the query's word pieces
 POOLED_SCALE = 20.0   # γ of a warm similarity head: the cosine scale MiniLM's bi-encoder was trained at
 
 FUSED_CPU_MAX_LENGTH = 512   # on a CPU, inputs up to this long run faster with the fused kernel (no attention dropout)
@@ -135,6 +145,8 @@ class QDSConfig:
                       MiniLM; ``ckray.models.encoders.set_attention_dropout``).
     head:             "cls" (the paper's ``w · h_[CLS] + b``), "pooled" (plus ``γ · cos(q̄, d̄)``) or
                       "maxsim" (plus γ · ColBERT's MaxSim), module docstring.
+    query_weights:    how the MaxSim head averages its query word pieces' best matches: "uniform" or
+                      "idf" (weighted by their IDF in the collection being reranked, module docstring).
     head_init:        "warm" (the score head fitted by ``warm_start_head`` before training, module
                       docstring) or "random"; recorded so a checkpoint says how its training started.
     pretrained:       load pretrained encoder weights in ``__init__``. A constructed model records the
@@ -159,6 +171,7 @@ class QDSConfig:
     attention_dropout: float | None = None
     head_init: str = "random"
     head: str = "cls"
+    query_weights: str = "uniform"
     pretrained: bool = True
     bert_config: dict[str, Any] | None = field(default=None)
 
@@ -170,6 +183,10 @@ class QDSConfig:
             "attention_kernel": (self.attention_kernel in ATTENTION_KERNELS,
                                  f"must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}"),
             "head": (self.head in HEADS, f"must be one of {HEADS}, got {self.head!r}"),
+            "query_weights": (self.query_weights in QUERY_WEIGHTS and (self.query_weights == "uniform"
+                                                                       or self.head == "maxsim"),
+                              f"must be one of {QUERY_WEIGHTS}, and 'idf' needs head='maxsim', got "
+                              f"{self.query_weights!r} with head={self.head!r}"),
             "window": (self.window >= 0, f"must be >= 0, got {self.window}"),
             **encoder_training_checks(self.frozen_layers, self.attention_dropout),
             "max_length": (self.max_query_length >= 1 and self.max_length >= self.max_query_length + 4,
@@ -184,6 +201,14 @@ class QDSConfig:
 # ---------------------------------------------------------------------------------------------
 
 _SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def collection_tokenisation(config: QDSConfig) -> Tokenisation | None:
+    """How the word-piece statistics a QDS model reads are counted: its tokenizer, documents truncated at
+    ``max_length``; None when it reads none (``query_weights="uniform"``)."""
+    if config.query_weights != "idf":
+        return None
+    return Tokenisation(config.encoder, load_tokenizer(config.encoder).vocab_size, config.max_length)
 
 
 def split_sentences(text: str) -> list[str]:
@@ -275,6 +300,9 @@ class QDSTransformer(nn.Module):
             self.similarity_scale = nn.Parameter(torch.full((1,), POOLED_SCALE if warm else 0.0))
             if warm:
                 nn.init.zeros_(self.score.weight)
+        if config.query_weights == "idf":
+            # IDF of each word piece in the collection being reranked: ones until set_collection_statistics
+            self.register_buffer("piece_idf", torch.ones(bert.config.vocab_size))
         self.config = replace(config, pretrained=False, bert_config=architecture_of(bert.config))
         self.tokenizer = load_tokenizer(config.encoder)
 
@@ -291,6 +319,24 @@ class QDSTransformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.score.weight.device
+
+    # -- collection statistics (query_weights="idf") --------------------------------------------
+
+    @property
+    def collection_tokenisation(self) -> Tokenisation | None:
+        """How the word-piece statistics this model reads are counted (None: it reads none)."""
+        return collection_tokenisation(self.config)
+
+    @torch.no_grad()
+    def set_collection_statistics(self, stats: CorpusStats) -> None:
+        """Weight the MaxSim head's query word pieces by their IDF in ``stats``' collection."""
+        if self.collection_tokenisation is None:
+            raise ConfigError("set_collection_statistics: this QDS model reads no collection statistics "
+                              f"(query_weights={self.config.query_weights!r})")
+        if stats.doc_freq.numel() != self.piece_idf.numel():
+            raise ConfigError(f"collection statistics of {stats.doc_freq.numel()} word pieces do not fit this QDS "
+                              f"model's vocabulary of {self.piece_idf.numel()} ({self.config.encoder})")
+        self.piece_idf.copy_(stats.idf.to(self.piece_idf))
 
     def head_parameters(self) -> list[nn.Parameter]:
         """The score head's parameters: ``w``, ``b`` and, with a similarity head, ``γ``."""
@@ -350,10 +396,15 @@ class QDSTransformer(nn.Module):
         """Relevance scores ``[B]`` of a batch from ``encode_pairs`` (or ``build_batch``)."""
         hidden = self.encode(batch)
         score = self.score(self.dropout(hidden[:, 0])).squeeze(-1)
-        if self.config.head in SIMILARITY_HEADS:
-            similarity = pooled_similarity if self.config.head == "pooled" else maxsim_similarity
-            score = score + self.similarity_scale * similarity(hidden, batch)
+        if self.config.head == "pooled":
+            score = score + self.similarity_scale * pooled_similarity(hidden, batch)
+        elif self.config.head == "maxsim":
+            score = score + self.similarity_scale * maxsim_similarity(hidden, batch, self.query_piece_weights())
         return score
+
+    def query_piece_weights(self) -> torch.Tensor | None:
+        """``[V]`` weight of each vocabulary id as a query word piece of the MaxSim head (None: uniform)."""
+        return self.piece_idf if self.config.query_weights == "idf" else None
 
     def cls_vectors(self, queries: Sequence[str], docs: Sequence[str], batch_size: int = 8) -> torch.Tensor:
         """Final [CLS] vectors ``[N, hidden]`` (fp32, CPU) of aligned (query, document) texts; no gradient,
@@ -424,17 +475,21 @@ def pooled_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -
     return torch.nn.functional.cosine_similarity(mean_pool(hidden, query_mask), mean_pool(hidden, doc_mask), dim=-1)
 
 
-def maxsim_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def maxsim_similarity(hidden: torch.Tensor, batch: Mapping[str, torch.Tensor],
+                      piece_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``(1/m) Σ_i max_j cos(h_qi, h_dj)`` ``[B]`` (ColBERT's Eq. 3, averaged over the m query word
     pieces) of the final vectors, cast to fp32 (under bf16 autocast the cosine matrix is a bf16 matmul,
-    as every matmul is there)."""
+    as every matmul is there). With ``piece_weights`` ``[V]`` the average is weighted:
+    ``Σ_i u(q_i) · max_j cos(h_qi, h_dj) / Σ_i u(q_i)``, u the weight of q_i's vocabulary id."""
     query_mask, doc_mask = query_and_document_masks(batch, hidden.device)
     unit = torch.nn.functional.normalize(hidden.float(), dim=-1)
     m = int(query_mask.any(dim=0).nonzero().max()) + 1 if query_mask.any() else 1   # query rows lie in [0, m)
     cos = unit[:, :m] @ unit.transpose(1, 2)                                     # [B, m, n]
     best = cos.masked_fill(~doc_mask[:, None, :], -1.0).max(dim=-1).values       # [B, m]: best document match
-    query_mask = query_mask[:, :m].to(best.dtype)
-    return (best * query_mask).sum(dim=1) / query_mask.sum(dim=1).clamp(min=1.0)
+    weights = query_mask[:, :m].to(best.dtype)
+    if piece_weights is not None:
+        weights = weights * piece_weights.to(best)[batch["input_ids"][:, :m].to(best.device)]
+    return (best * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-6)
 
 
 def _extend_positions(bert: nn.Module, max_length: int) -> None:

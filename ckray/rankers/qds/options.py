@@ -36,6 +36,9 @@ class QDSOptions:
                                  "of the joint encoding (pooled), plus γ · ColBERT's MaxSim of them (maxsim), "
                                  "or the paper's w · h_[CLS] + b alone (cls); warm, the first two start as "
                                  "their similarity", choices=("pooled", "maxsim", "cls"))
+    query_weights: str = option("uniform", "how the MaxSim head averages its query word pieces' best matches: "
+                                           "equally (uniform), or weighted by their IDF in the collection being "
+                                           "reranked (idf)", choices=("uniform", "idf"))
     head_lr_multiplier: float = option(1.0, "train the score head (w, b and a similarity head's γ) this many times "
                                             "faster than the encoder")
 

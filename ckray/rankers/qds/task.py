@@ -8,6 +8,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ckray.data.statistics import CorpusStats
 from ckray.errors import ConfigError
 from ckray.models.encoders import load_tokenizer
 from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, triple_loss
@@ -48,6 +49,8 @@ class QDSTask(RankerTask):
     # (query, pos_text, neg_text) texts the warm head is fitted to (``probe_triples``); used when
     # model_config.head_init == "warm" with the [CLS] head (the pooled head starts warm without data)
     warm_triples: dict[str, list[str]] | None = None
+    # word-piece statistics of the training collection, read by the MaxSim head with query_weights="idf"
+    collection_statistics: CorpusStats | None = None
 
     @property
     def needs_warm_triples(self) -> bool:
@@ -55,6 +58,12 @@ class QDSTask(RankerTask):
 
     def build_model(self) -> QDSTransformer:
         model = QDSTransformer(self.model_config)
+        if model.collection_tokenisation is not None:
+            if self.collection_statistics is None:
+                raise ConfigError(f"{self.name}: query_weights='idf' weights query word pieces by their IDF, but "
+                                  f"the task has no collection_statistics (the training corpus's, "
+                                  f"ckray.data.statistics.cached_corpus_statistics)")
+            model.set_collection_statistics(self.collection_statistics)
         if self.needs_warm_triples:
             warm_start_from(model, self.warm_triples, self.name)
         return model
