@@ -248,3 +248,28 @@ def test_a_qds_reranker_weights_query_pieces_by_the_idf_of_the_collection_it_rer
         assert d1 == d2 and s1 == pytest.approx(s2, abs=1e-4)
     as_trained = CheckpointReranker(str(checkpoint), texts)   # no work directory: the training IDF
     assert torch.equal(as_trained.model.piece_idf, train.idf) and as_trained.settings == {}
+
+
+def test_inside_a_ray_actor_corpus_statistics_are_counted_in_the_actor_and_equal_one_pass(two_corpora):
+    """A Serve replica reading collection statistics may hold the CPU a counting task would wait for:
+    inside an actor the shards are counted there, with the same result."""
+    import ray
+
+    from ckray.data.statistics import sharded_corpus_statistics
+    from ckray.rankers.ck_qti.model import piece_tokenisation
+
+    tokenisation = piece_tokenisation(load_ck_model(two_corpora["checkpoint"]).config)
+
+    @ray.remote
+    class Counter:
+        def count(self, workdir: str):
+            stats = sharded_corpus_statistics(workdir, tokenisation)
+            return stats.doc_freq.numpy(), stats.n_docs, stats.mean_doc_len
+
+    every_free_cpu = ray.available_resources().get("CPU", 1.0)   # a counting task could never be placed
+    counter = Counter.options(num_cpus=every_free_cpu).remote()
+    doc_freq, n_docs, mean_len = ray.get(counter.count.remote(str(two_corpora["target"])), timeout=120)
+    ray.kill(counter)
+    one_pass = corpus_statistics(iter_doc_texts(two_corpora["target"]), load_ck_model(two_corpora["checkpoint"]).config)
+    assert np.array_equal(doc_freq, one_pass.doc_freq.numpy()) and n_docs == one_pass.n_docs
+    assert mean_len == one_pass.mean_doc_len

@@ -103,12 +103,16 @@ def has_corpus(workdir: str | os.PathLike) -> bool:
 def sharded_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisation) -> CorpusStats:
     """:func:`corpus_statistics` of ``workdir``'s corpus with one Ray task per corpus shard, the counts
     summed as the tasks finish: the same statistics as one pass in one process, spread over the
-    cluster's CPUs; the driver holds one vocabulary-sized count at a time."""
+    cluster's CPUs; the driver holds one vocabulary-sized count at a time. Inside a Ray actor (a Serve
+    replica, which may hold the last free CPU a task would wait for) the shards are counted in turn in
+    the actor itself, streamed as :func:`ckray.data.shards.iter_doc_texts` reads them."""
     import ray
 
-    from ckray.data.shards import shard_paths
+    from ckray.data.shards import iter_doc_texts, shard_paths
     from ckray.ray_env import init_ray
 
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return corpus_statistics(iter_doc_texts(workdir), tokenisation)
     init_ray()
     count = ray.remote(num_cpus=1)(_count_shard)
     pending = [count.remote(str(p), tokenisation) for p in shard_paths(workdir)]
