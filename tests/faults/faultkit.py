@@ -77,6 +77,75 @@ def same_files(a: Path, b: Path, pattern: str, exclude: tuple[str, ...] = ()) ->
     return names
 
 
+# Impact weights are scored in batches of documents padded to the batch's longest; a resumed job's batches
+# hold other documents than an uninterrupted job's (Ray Data batches straddle shard boundaries), and on some
+# CPUs a matrix product's float rounding depends on its shape: the same document's weights then differ in
+# the last bit (about 1e-7). What Lucene indexes, the quantised impacts, is compared to one quantisation step.
+WEIGHT_ROUNDING = dict(rel=1e-5, abs=1e-6)
+DIGESTS = ("sha256", "bytes", "jsonl_sha256")
+
+
+def same_impact_shards(a: Path, b: Path) -> list[str]:
+    """The impact shards (``impact/shards/*``) under ``a`` and ``b``: the same names, documents and terms,
+    weights equal to float rounding (``WEIGHT_ROUNDING``), and markers equal but for the digests of those
+    bytes."""
+    import json
+
+    import pytest
+
+    def listing(root: Path) -> list[str]:
+        return sorted(p.name for p in (root / "impact" / "shards").iterdir() if p.is_file())
+
+    names = listing(a)
+    assert names == listing(b)
+    for name in names:
+        x, y = a / "impact" / "shards" / name, b / "impact" / "shards" / name
+        if name.endswith(".parquet"):
+            rx, ry = pq.read_table(x).to_pylist(), pq.read_table(y).to_pylist()
+            assert [r["doc_id"] for r in rx] == [r["doc_id"] for r in ry], name
+            for r, s in zip(rx, ry):
+                wx, wy = dict(zip(r["terms"], r["weights"])), dict(zip(s["terms"], s["weights"]))
+                assert wx.keys() == wy.keys(), (name, r["doc_id"])
+                assert [wy[t] for t in wx] == pytest.approx(list(wx.values()), **WEIGHT_ROUNDING), (name, r["doc_id"])
+        else:
+            assert same_but_digests(json.loads(x.read_text()), json.loads(y.read_text())), name
+    return names
+
+
+def same_but_digests(x: dict, y: dict) -> bool:
+    """Two markers or metadata files equal but for digests of bytes, floats to ``WEIGHT_ROUNDING``."""
+    import pytest
+
+    assert x.keys() == y.keys()
+    for key, value in x.items():
+        if key in DIGESTS:
+            continue
+        if isinstance(value, dict):
+            same_but_digests(value, y[key])
+        elif isinstance(value, float):
+            assert y[key] == pytest.approx(value, **WEIGHT_ROUNDING), key
+        else:
+            assert y[key] == value, key
+    return True
+
+
+def same_impact_lines(a: Path, b: Path) -> None:
+    """The JSON lines Lucene indexes under ``a`` and ``b``: the same documents and terms, each quantised
+    impact within one step."""
+    import json
+
+    names = sorted(p.name for p in (a / "impact" / "jsonl").glob("*.jsonl"))
+    assert names == sorted(p.name for p in (b / "impact" / "jsonl").glob("*.jsonl")) and names
+    for name in names:
+        lx = (a / "impact" / "jsonl" / name).read_text().splitlines()
+        ly = (b / "impact" / "jsonl" / name).read_text().splitlines()
+        assert len(lx) == len(ly), name
+        for p, q in zip(lx, ly):
+            dx, dy = json.loads(p), json.loads(q)
+            assert dx["id"] == dy["id"] and dx["vector"].keys() == dy["vector"].keys(), (name, dx["id"])
+            assert all(abs(dx["vector"][t] - dy["vector"][t]) <= 1 for t in dx["vector"]), (name, dx["id"])
+
+
 def same_tables(a: Path, b: Path) -> None:
     assert pq.read_table(a).equals(pq.read_table(b)), (a, b)
 

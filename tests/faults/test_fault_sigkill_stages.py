@@ -1,6 +1,7 @@
 """SIGKILL of the driver of the training, impact-index and dense-index jobs at a seeded random point,
 then the same command again: the job resumes from what was finished (the latest training checkpoint,
-the output shards with a valid done-marker) and its outputs equal those of an uninterrupted run."""
+the output shards with a valid done-marker) and its outputs equal those of an uninterrupted run (impact
+weights to float rounding, ``faultkit.same_impact_shards``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from faultkit import (assert_ok, dense_args, impact_args, kill_job_at, run_job, same_files, same_weights,
-                      train_args)
+from faultkit import (assert_ok, dense_args, impact_args, kill_job_at, run_job, same_but_digests, same_files,
+                      same_impact_lines, same_impact_shards, same_weights, train_args)
 
 pytestmark = pytest.mark.slow
 
@@ -97,10 +98,11 @@ def test_impact_index_killed_then_rerun_equals_an_uninterrupted_run(sample_data,
     assert_ok(again)
     todo = re.search(r"impact scoring (\d) of 3 corpus shard\(s\)", again.stdout + again.stderr)
     assert todo, again.stdout[-3000:]
-    names = same_files(undisturbed, w, "impact/shards/*")   # shard bytes and markers
-    assert {"part-00000.parquet", "part-00002.parquet.done.json"} <= {Path(n).name for n in names}
-    same_files(undisturbed, w, "impact/jsonl/*")
-    same_files(undisturbed, w, "impact/index/ckray_impact.json")
+    names = same_impact_shards(undisturbed, w)   # documents, terms and weights; markers
+    assert {"part-00000.parquet", "part-00002.parquet.done.json"} <= set(names)
+    same_impact_lines(undisturbed, w)
+    meta = "impact/index/ckray_impact.json"
+    assert same_but_digests(json.loads((undisturbed / meta).read_text()), json.loads((w / meta).read_text()))
     assert not list(w.rglob(".*tmp*")), "a temporary file was left behind"
 
 
