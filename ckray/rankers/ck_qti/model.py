@@ -356,18 +356,22 @@ def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 
 
 
 def explicit_training_statistics(queries: Sequence[str], docs: Sequence[str], config: CKConfig,
-                                 batch_size: int = 128) -> tuple[float, float]:
+                                 batch_size: int = 128, keep: Sequence[int] | None = None) -> tuple[float, float]:
     """(E[TF], E[|d|]) as batch scaling (Eq. 10) measures them in training: TF of every real query
     word-piece position in its paired document, and |d| in word pieces, tokenised and truncated as the
     model does. ``queries[i]`` is paired with ``docs[i]`` (give each triple's query twice, with its
-    positive and its negative)."""
-    if len(queries) != len(docs) or not docs:
+    positive and its negative); ``keep[i]``, when given, cuts ``docs[i]`` to that many word pieces, as
+    training cuts it (``ckray.rankers.ck_qti.task.length_matched_pairs``)."""
+    if len(queries) != len(docs) or not docs or (keep is not None and len(keep) != len(docs)):
         raise ConfigError(f"explicit_training_statistics needs paired, non-empty inputs "
-                          f"({len(queries)} queries, {len(docs)} documents)")
+                          f"({len(queries)} queries, {len(docs)} documents"
+                          f"{'' if keep is None else f', {len(keep)} cuts'})")
     tf_sum, tf_n, len_sum = 0.0, 0, 0.0
     for i in range(0, len(docs), batch_size):
         q_ids, q_mask = tokenize(queries[i: i + batch_size], config.max_query_len, config.encoder)
         d_ids, d_mask = tokenize(docs[i: i + batch_size], config.max_doc_len, config.encoder)
+        if keep is not None:
+            d_mask &= torch.arange(d_mask.shape[1])[None, :] < torch.tensor(keep[i: i + batch_size])[:, None]
         tf = term_frequency(d_ids, d_mask, q_ids)
         tf_sum += float(tf[q_mask].sum())
         tf_n += int(q_mask.sum())

@@ -28,6 +28,8 @@ class CKQTIOptions:
                                  "the document's top k terms (a sigmoid gate at the k-th best own term's s_td); 0 = off")
     gate_temperature: float = option(0.1, "the gate's width as a fraction of the document's threshold s_td (with "
                                           "--train-top-k)")
+    match_pair_lengths: bool = option(False, "cut each training pair's longer document to the shorter one's word "
+                                             "pieces, so length cannot tell the positive from the negative")
 
     @property
     def checkpoint_name(self) -> str:

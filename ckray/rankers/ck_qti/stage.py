@@ -35,16 +35,32 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     td = training_data(args)  # prepares shards, BM25 and negatives when missing
     stats = cached_corpus_statistics(args.workdir, config)  # a Ray task per shard; kept for the impact index
     sample = td.head(EXPLICIT_STATS_TRIPLES).to_pydict()  # the first triples of the seeded shuffle
-    mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config)
+    keep = matched_lengths(sample["pos_text"], sample["neg_text"], config) if o.match_pair_lengths else None
+    mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config,
+                                                     keep=keep)
     log.info("explicit match starts as BM25(k1=%.2f, b=%.2f) under E[TF]=%.2f, E[|d|]=%.0f (avgdl %.0f)",
              config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
     task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
                   mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
                   name=name, head_lr_multiplier=o.head_lr_multiplier, dev_scoring=o.dev_scoring,
-                  train_top_k=o.train_top_k, gate_temperature=o.gate_temperature)
+                  train_top_k=o.train_top_k, gate_temperature=o.gate_temperature,
+                  match_pair_lengths=o.match_pair_lengths)
     result = run_training(task, args, train_config, td=td)
     record_training_corpus(result.best_checkpoint, stats, args.workdir)
     return result
+
+
+def matched_lengths(positives: list[str], negatives: list[str], config) -> list[int]:
+    """The word pieces each document of ``positives + negatives`` keeps when pairs are length matched:
+    min(|d+|, |d−|) for both documents of a pair (``ckray.rankers.ck_qti.task.length_matched_pairs``)."""
+    import torch
+
+    from ckray.rankers.ck_qti.model import tokenize
+
+    _, pos_mask = tokenize(positives, config.max_doc_len, config.encoder)
+    _, neg_mask = tokenize(negatives, config.max_doc_len, config.encoder)
+    keep = torch.minimum(pos_mask.sum(1), neg_mask.sum(1)).tolist()
+    return keep + keep
 
 
 def record_training_corpus(checkpoint, stats, workdir) -> None:

@@ -15,6 +15,19 @@ from ckray.rankers.ck_qti.impact import ImpactConfig
 from ckray.training import RankerTask
 
 
+def length_matched_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``CKCollator`` batch whose positive and negative of each pair keep the first
+    min(|d+|, |d−|) word pieces each: the pair's longer document is cut to the shorter one's length."""
+    keep = torch.minimum(batch["pos_mask"].sum(1), batch["neg_mask"].sum(1))
+    width = max(int(keep.max()), 1) if len(keep) else 1
+    mask = torch.arange(width)[None, :] < keep[:, None]
+    out = dict(batch)
+    for side in ("pos", "neg"):
+        out[f"{side}_mask"] = batch[f"{side}_mask"][:, :width] & mask
+        out[f"{side}_ids"] = batch[f"{side}_ids"][:, :width] * out[f"{side}_mask"]
+    return out
+
+
 @dataclass
 class CKTask(RankerTask):
     """CK-QTI / CK / TK: pairwise softmax loss over (q, d+, d−); IDF from the corpus (Eq. 9)."""
@@ -38,6 +51,9 @@ class CKTask(RankerTask):
     # keep_top_k; 0 = the plain Σ over every query term), with temperature τ
     train_top_k: int = 0
     gate_temperature: float = 0.1
+    # Each pair's longer document cut to the shorter one's word pieces (length_matched_pairs): a training
+    # collection whose positives are shorter than its BM25 negatives then teaches no preference for length
+    match_pair_lengths: bool = False
 
     def __post_init__(self) -> None:
         from ckray.errors import ConfigError
@@ -66,7 +82,8 @@ class CKTask(RankerTask):
     def collate(self, rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         from ckray.rankers.ck_qti.model import CKCollator
 
-        return CKCollator(self.config)(rows)
+        batch = CKCollator(self.config)(rows)
+        return length_matched_pairs(batch) if self.match_pair_lengths else batch
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The pairwise softmax loss (``ckray.models.losses``) of the pair's scores, in float32."""
