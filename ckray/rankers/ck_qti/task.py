@@ -6,13 +6,16 @@ Tasks stay light (configs and small tensors) because they are pickled to every w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from ckray.rankers.ck_qti.impact import ImpactConfig
 from ckray.training import RankerTask
+
+if TYPE_CHECKING:
+    from ckray.rankers.ck_qti.model import CKConfig
 
 
 def pair_cut(pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
@@ -33,7 +36,7 @@ def length_matched_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def matched_lengths(positives: list[str], negatives: list[str], config: "object") -> list[int]:
+def matched_lengths(positives: list[str], negatives: list[str], config: CKConfig) -> list[int]:
     """What :func:`length_matched_pairs` keeps of each document of ``positives + negatives`` (texts,
     tokenised as ``CKCollator`` does), for ``explicit_training_statistics(..., keep=)``."""
     from ckray.rankers.ck_qti.model import tokenize
