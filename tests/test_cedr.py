@@ -312,6 +312,35 @@ def test_vanilla_warm_start_fits_the_cls_head_to_training_pairs(tmp_path):
         tiny("knrm", head_init="warm").warm_start_head(queries, pos, neg)
 
 
+def test_probe_knrm_head_is_the_pairwise_probe_of_the_kernel_features(tmp_path):
+    """``knrm_warm_layers="probe"``: before fitting, the last layer's head; ``warm_start_head`` sets the
+    (L+1)·K kernel weights to the pairwise probe of the kernel features of the (query, d+) and (query, d−)
+    pairs (recomputed here), [CLS] weights and bias 0, so the head orders the pairs it was fitted to;
+    the fitted head is saved and loaded with the model."""
+    from ckray.models.losses import pairwise_probe
+
+    model = tiny("knrm", head_init="warm", knrm_warm_layers="probe")
+    last = tiny("knrm", head_init="warm", knrm_warm_layers="last")
+    assert torch.equal(model.knrm_out.weight, last.knrm_out.weight)
+    queries = QUERIES + QUERIES[::-1]
+    pos, neg = DOCS + DOCS[::-1], DOCS[::-1] + DOCS
+    model.warm_start_head(queries, pos, neg, batch_size=3)
+    n_feat = model.n_channels * model.config.n_kernels
+    w = model.knrm_out.weight[0]
+    assert torch.all(w[n_feat:] == 0) and float(model.knrm_out.bias.detach()) == 0.0
+    with torch.no_grad():
+        phi_pos = model.knrm_features(model.encode(model.tokenize_pairs(queries, pos)))
+        phi_neg = model.knrm_features(model.encode(model.tokenize_pairs(queries, neg)))
+    torch.testing.assert_close(w[:n_feat], pairwise_probe(phi_pos, phi_neg), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(w[:n_feat], last.knrm_out.weight[0, :n_feat])
+    assert torch.all(model.score_texts(queries, pos) > model.score_texts(queries, neg))
+    save_model(model, tmp_path / "k")
+    torch.testing.assert_close(load_model(tmp_path / "k").score_texts(QUERIES, DOCS),
+                               model.score_texts(QUERIES, DOCS), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="aligned, non-empty triples"):
+        model.warm_start_head(queries, pos, neg[:1])
+
+
 def test_head_init_is_checked_and_the_vanilla_task_needs_warm_triples():
     from ckray.rankers.cedr.task import CEDRTask
 
@@ -325,6 +354,13 @@ def test_head_init_is_checked_and_the_vanilla_task_needs_warm_triples():
     assert torch.all(model.score_texts(QUERIES, DOCS) > model.score_texts(QUERIES, DOCS[::-1]))
     assert not CEDRTask(CEDRConfig(variant="knrm", random_init=TINY, max_length=32, max_query_len=8,
                                    head_init="warm")).needs_warm_triples
+    knrm = dict(variant="knrm", random_init=TINY, max_length=32, max_query_len=8, knrm_warm_layers="probe")
+    assert CEDRTask(CEDRConfig(**knrm, head_init="warm")).needs_warm_triples
+    assert not CEDRTask(CEDRConfig(**knrm, head_init="random")).needs_warm_triples
+    assert [CEDRConfig(**c).warm_probe_triples for c in (cfg.__dict__, {**knrm, "head_init": "warm"},
+                                                         {**knrm, "head_init": "random"})] == [32, 256, 0]
+    with pytest.raises(ConfigError, match="warm_triples"):
+        CEDRTask(CEDRConfig(**knrm, head_init="warm")).build_model()
 
 
 def test_frozen_layers_leave_the_scores_and_drop_the_encoders_bottom_from_the_optimizer():

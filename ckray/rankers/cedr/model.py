@@ -57,9 +57,14 @@ these vectors, whose positions and segments differ.
   everything else (the other kernels and layers, [CLS], the bias) by 0: Σ_q of a saturating count of
   each query term's near-exact matches in the contextual vectors, the K-NRM form of a
   coordinate-matching lexical model. ``knrm_warm_layers="all"`` reads the soft kernels centred at or
-  above ``WARM_MATCH`` (μ = 0.9 and 0.7 with 11 kernels) of every layer, weighed by ``1/(L+1)``. On
-  SciFact dev (80 queries × BM25's top 30) the last layer's head starts at nDCG@10 0.672, the
-  all-layer one at 0.629 (docs/results.md, "Warm-started cross-encoders at step 0").
+  above ``WARM_MATCH`` (μ = 0.9 and 0.7 with 11 kernels) of every layer, weighed by ``1/(L+1)``.
+  ``knrm_warm_layers="probe"`` reads every kernel of every layer, weighed by the pairwise probe of
+  ``KNRM_PROBE_TRIPLES`` training triples (:meth:`CEDRRanker.warm_start_head`, fitted by the training
+  task; ``ckray.models.losses.pairwise_probe``): the linear function of the ``(L+1)·K`` kernel features
+  that best orders those pairs, so the kernels' weights come from relevance judgements rather than by
+  hand; [CLS] and the bias stay 0. Until it is fitted it is the last layer's head. On SciFact dev (80
+  queries × BM25's top 30) the last layer's head starts at nDCG@10 0.672, the all-layer one at 0.629,
+  the probe at 0.708 (docs/results.md, "Warm-started cross-encoders at step 0").
 * ``pacrr``: filter 0 of each n×n convolution averages the similarity on its diagonal over the
   layers, minus ``WARM_MATCH`` (an in-order n-gram match detector after the ReLU); the other
   filters start at 1/100 of their random values (they stay trainable but do not win the max); the
@@ -68,8 +73,8 @@ these vectors, whose positions and segments differ.
   above ``WARM_MATCH`` (weight ``1/(2(L+1))`` per layer), the output reads unit 0 alone, and the
   term gate starts uniform (weight 0).
 * ``vanilla``: [CLS] → linear has no lexical input; its warm start is the pairwise probe of
-  :meth:`CEDRRanker.warm_start_head` (the weight that best orders a few training pairs, see
-  ``ckray.models.losses.pairwise_probe``), fitted by the training task.
+  :meth:`CEDRRanker.warm_start_head` (the weight that best orders ``VANILLA_PROBE_TRIPLES`` training
+  pairs, see ``ckray.models.losses.pairwise_probe``), fitted by the training task.
 """
 
 from __future__ import annotations
@@ -93,8 +98,10 @@ from ckray.models.losses import pairwise_loss, pairwise_probe
 VARIANTS = ("knrm", "pacrr", "drmm", "vanilla")
 HEAD_INITS = ("warm", "random")
 WARM_MATCH = 0.6           # similarity from which the warm-started heads count a match (module docstring)
-KNRM_WARM_LAYERS = ("last", "all")
+KNRM_WARM_LAYERS = ("last", "all", "probe")
 KNRM_WARM_LAST_LAYER_MATCH = 0.8   # the last layer's warm KNRM kernels: μ at or above this (μ = 0.9)
+KNRM_PROBE_TRIPLES = 256           # training triples the probe-fitted KNRM head is fitted to
+VANILLA_PROBE_TRIPLES = 32         # training triples the vanilla ranker's [CLS] head is fitted to
 Batch = dict[str, torch.Tensor]
 
 
@@ -127,7 +134,7 @@ class CEDRConfig:
     tokenizer: str | None = None           # defaults to ``encoder``
     random_init: dict | None = None        # BertConfig kwargs: a randomly initialised encoder (tests)
     head_init: str = "random"              # warm: heads start as a lexical matcher (module docstring) | random
-    knrm_warm_layers: str = "last"         # CEDR-KNRM's warm head reads the last layer | all layers (module docstring)
+    knrm_warm_layers: str = "last"         # warm KNRM head: last layer | all layers | probe-fitted (module docstring)
     frozen_layers: int = 0                 # bottom layers not trained, embeddings = layer 0 (freeze_bottom_layers)
     attention_dropout: float | None = None  # encoder's attention dropout in training; None: its own (set_attention_dropout)
 
@@ -145,6 +152,20 @@ class CEDRConfig:
             **encoder_training_checks(self.frozen_layers, self.attention_dropout),
         }
         ConfigError.check_fields("CEDRConfig", checks)
+
+    @property
+    def warm_head_is_fitted(self) -> bool:
+        """Whether the warm head is fitted to training triples (:meth:`CEDRRanker.warm_start_head`):
+        the vanilla ranker's, and CEDR-KNRM's with ``knrm_warm_layers="probe"``."""
+        return self.head_init == "warm" and (
+            self.variant == "vanilla" or (self.variant == "knrm" and self.knrm_warm_layers == "probe"))
+
+    @property
+    def warm_probe_triples(self) -> int:
+        """How many training triples the fitted warm head is fitted to (0: it needs none)."""
+        if not self.warm_head_is_fitted:
+            return 0
+        return VANILLA_PROBE_TRIPLES if self.variant == "vanilla" else KNRM_PROBE_TRIPLES
 
 
 @dataclass
@@ -327,10 +348,10 @@ class CEDRRanker(nn.Module):
             self.knrm_out.bias.zero_()
             per_layer = w[0, : c * self.kernels.n_kernels].view(c, -1)        # [L+1, K]
             soft = self.kernels.sigmas > self.kernels.sigmas.min()              # not the exact-match kernel
-            if self.config.knrm_warm_layers == "last":
-                per_layer[-1, soft & (self.kernels.mus >= KNRM_WARM_LAST_LAYER_MATCH)] = 2.0
-            else:
+            if self.config.knrm_warm_layers == "all":
                 per_layer[:, soft & (self.kernels.mus >= WARM_MATCH)] = 1.0 / c
+            else:                       # "last", and "probe" until warm_start_head fits it
+                per_layer[-1, soft & (self.kernels.mus >= KNRM_WARM_LAST_LAYER_MATCH)] = 2.0
         elif v == "pacrr":
             for n, conv in enumerate(self.ngram_convs, start=1):
                 conv.weight.mul_(0.01)
@@ -357,23 +378,36 @@ class CEDRRanker(nn.Module):
     @torch.no_grad()
     def warm_start_head(self, queries: list[str], pos_docs: list[str], neg_docs: list[str],
                         batch_size: int = 8) -> None:
-        """The vanilla ranker's warm start: its [CLS] → score weight set to the pairwise probe
-        (``ckray.models.losses.pairwise_probe``) of the [CLS] vectors of (query, d+) and (query, d−)
-        training pairs, bias 0. The other variants start warm in ``__init__``."""
-        if self.config.variant != "vanilla":
-            raise ValueError(f"warm_start_head fits the vanilla ranker's head; {self.config.variant} starts warm "
-                             f"in __init__ (head_init='warm')")
+        """Fit the warm head to (query, d+) and (query, d−) training pairs by the pairwise probe
+        (``ckray.models.losses.pairwise_probe``), bias 0: the vanilla ranker's [CLS] → score weight on
+        the [CLS] vectors; CEDR-KNRM's (``knrm_warm_layers="probe"``) weights of the ``(L+1)·K`` kernel
+        features, its [CLS] weights 0. The other heads start warm in ``__init__``."""
+        if not self.config.warm_head_is_fitted:
+            raise ValueError(f"warm_start_head fits the vanilla ranker's head and CEDR-KNRM's with "
+                             f"knrm_warm_layers='probe'; {self.config.variant} with head_init="
+                             f"{self.config.head_init!r} and knrm_warm_layers={self.config.knrm_warm_layers!r} "
+                             f"starts warm in __init__")
+        if not len(queries) == len(pos_docs) == len(neg_docs) or not len(queries):
+            raise ValueError(f"warm_start_head needs aligned, non-empty triples, got {len(queries)} queries, "
+                             f"{len(pos_docs)} relevant and {len(neg_docs)} non-relevant documents")
+        vanilla = self.config.variant == "vanilla"
         was_training = self.training
         self.eval()
         try:
-            feats = [self.encode(self.tokenize_pairs(queries[i:i + batch_size], docs[i:i + batch_size]),
-                                 with_sim=False).cls
-                     for docs in (pos_docs, neg_docs) for i in range(0, len(docs), batch_size)]
+            feats = []
+            for docs in (pos_docs, neg_docs):
+                for i in range(0, len(docs), batch_size):
+                    e = self.encode(self.tokenize_pairs(queries[i:i + batch_size], docs[i:i + batch_size]),
+                                    with_sim=not vanilla)
+                    feats.append(e.cls if vanilla else self.knrm_features(e))
         finally:
             self.train(was_training)
-        cls = torch.cat(feats)
-        self.vanilla_out.weight.copy_(pairwise_probe(cls[: len(pos_docs)], cls[len(pos_docs):])[None])
-        self.vanilla_out.bias.zero_()
+        x = torch.cat(feats)
+        w = pairwise_probe(x[: len(pos_docs)], x[len(pos_docs):])
+        head = self.vanilla_out if vanilla else self.knrm_out
+        head.weight.zero_()
+        head.weight[0, : w.shape[0]] = w
+        head.bias.zero_()
 
     # ------------------------------------------------------------------ tokenisation
     @property
@@ -427,15 +461,19 @@ class CEDRRanker(nn.Module):
         return CEDREncoding(sim=sim, query_mask=query_mask, doc_mask=doc_mask, cls=cls, query_emb=query_emb)
 
     # ------------------------------------------------------------------ ranker heads
-    def _knrm(self, e: CEDREncoding, cls: torch.Tensor) -> torch.Tensor:
-        """K-NRM per layer: Σ_q log Σ_d K_k(S[l, q, d]) → (L+1)·K features, joined with [CLS]."""
+    def knrm_features(self, e: CEDREncoding) -> torch.Tensor:
+        """K-NRM per layer: Σ_q log Σ_d K_k(S[l, q, d]) → the ``[B, (L+1)·K]`` kernel features φ
+        (scaled by ``knrm_feature_scale``)."""
         feats = []
         qm = e.query_mask.to(e.sim.dtype)
         for layer in range(e.sim.shape[1]):
             k = self.kernels(e.sim[:, layer], e.doc_mask[:, None, :])   # [B, Q, D, K]
             feats.append((log_soft_tf(k) * qm[..., None]).sum(dim=1))   # [B, K]
-        phi = torch.cat(feats, dim=-1) * self.config.knrm_feature_scale
-        return self.knrm_out(torch.cat([phi, cls], dim=-1)).squeeze(-1)
+        return torch.cat(feats, dim=-1) * self.config.knrm_feature_scale
+
+    def _knrm(self, e: CEDREncoding, cls: torch.Tensor) -> torch.Tensor:
+        """CEDR-KNRM: the kernel features φ joined with [CLS] → linear score."""
+        return self.knrm_out(torch.cat([self.knrm_features(e), cls], dim=-1)).squeeze(-1)
 
     def _pacrr(self, e: CEDREncoding, cls: torch.Tensor) -> torch.Tensor:
         """PACRR-firstk: n×n convolutions over the layer channels, max over filters, k-max along the

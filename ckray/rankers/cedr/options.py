@@ -26,6 +26,8 @@ class CEDROptions:
                                     "(warm; vanilla: fitted to the first training triples) or the paper's random "
                                     "initialisation (random)", choices=("warm", "random"))
     knrm_warm_layers: str = option("last", "CEDR-KNRM's warm head: the μ = 0.9 kernel of the encoder's last layer "
-                                           "(last) or the μ = 0.9 and 0.7 kernels averaged over every layer (all)",
-                                   choices=("last", "all"))
+                                           "(last), the μ = 0.9 and 0.7 kernels averaged over every layer (all), "
+                                           "or every kernel of every layer weighed by the pairwise probe of the "
+                                           "first 256 training triples (probe)",
+                                   choices=("last", "all", "probe"))
 

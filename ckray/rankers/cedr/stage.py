@@ -25,5 +25,5 @@ def train(options: CEDROptions, args: argparse.Namespace):
     train_config = training_config(args, task.name, **SPEC.training.defaults)  # flag errors before the data
     td = training_data(args)
     if task.needs_warm_triples:
-        task.warm_triples = probe_triples(td)
+        task.warm_triples = probe_triples(td, config.warm_probe_triples)
     return run_training(task, args, train_config, td)

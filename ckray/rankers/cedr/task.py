@@ -22,8 +22,8 @@ class CEDRTask(RankerTask):
     model_config: CEDRConfig = field(default_factory=CEDRConfig)
     name: str = ""
     head_lr_multiplier: float = 50.0
-    # (query, pos_text, neg_text) texts the vanilla ranker's warm head is fitted to
-    # (``ckray.rankers.qds.task.probe_triples``); the other variants start warm without data
+    # (query, pos_text, neg_text) texts a fitted warm head is fitted to (``ckray.rankers.qds.task.probe_triples``,
+    # ``model_config.warm_probe_triples`` of them): vanilla's and CEDR-KNRM's probe head; the others need none
     warm_triples: dict[str, list[str]] | None = None
 
     def __post_init__(self) -> None:
@@ -33,7 +33,7 @@ class CEDRTask(RankerTask):
 
     @property
     def needs_warm_triples(self) -> bool:
-        return self.model_config.head_init == "warm" and self.model_config.variant == "vanilla"
+        return self.model_config.warm_head_is_fitted
 
     def build_model(self) -> CEDRRanker:
         model = CEDRRanker(self.model_config)
