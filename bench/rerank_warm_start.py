@@ -10,8 +10,9 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
 * ``cedr-{knrm,pacrr,drmm}`` and ``vanilla-bert``, warm (``head_init="warm"``) and random (the paper's
   initialisation, torch seed 0), at the settings of record (MiniLM, 256 tokens × 2 segments), and
   ``cedr-knrm-all-layers/warm``, CEDR-KNRM's warm head over every layer (``knrm_warm_layers="all"``). The
-  encoder is the same pretrained MiniLM in all nine models, so one encoder pass serves every head
-  (``CEDRRanker.score_encoding``);
+  ``cedr-knrm-probe/warm``, its head fitted to ``--knrm-probe-triples`` training triples
+  (``knrm_warm_layers="probe"``). The encoder is the same pretrained MiniLM in all ten models, so one
+  encoder pass serves every head (``CEDRRanker.score_encoding``);
 * ``qds`` warm and random, at its settings of record (MiniLM, 512 tokens, window 128): one encoder
   pass, the [CLS] vectors scored by each head; ``qds-pooled/warm``: the pooled head's step-0 score
   (γ · cos of the mean query and document vectors, ``head="pooled"``) from the same pass, and with
@@ -20,11 +21,12 @@ queries has its BM25 top ``--depth`` (the work directory's BM25 run of the train
   ``head="maxsim"``) from the same pass, and ``qds-maxsim-idf/warm``, the same MaxSim averaged with the
   weights of ``query_weights="idf"``: each query word piece's IDF in the work directory's corpus.
 
-The heads that need data to start warm (vanilla BERT, QDS: the pairwise probe) are fitted on
-``--probe-triples`` (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of
-*non-dev* training queries, as the training jobs do with their first triples.
+The heads that need data to start warm (vanilla BERT, QDS, CEDR-KNRM's probe head: the pairwise probe)
+are fitted on (query, judged relevant, BM25 non-relevant from the top ``--depth``) triples of *non-dev*
+training queries, one per query, as the training jobs do with their first triples: the first
+``--probe-triples`` of them, the first ``--knrm-probe-triples`` for CEDR-KNRM.
 
-    python bench/rerank_warm_start.py --workdir W [--data DIR] [--queries 50] [--depth 30] [--probe-triples 32] [--pooled-patterns qds,longformer-qa,local]
+    python bench/rerank_warm_start.py --workdir W [--data DIR] [--queries 50] [--depth 30] [--probe-triples 32] [--knrm-probe-triples 256] [--pooled-patterns qds,longformer-qa,local]
 
 ``W``: a work directory prepared on SciFact (``jobs/prepare.py``). Prints nDCG@10 per model, with the
 paired difference from the bi-encoder over the same queries and its standard error (``vs_biencoder`` in
@@ -51,6 +53,7 @@ from ckray.data.collections import read_queries_and_qrels  # noqa: E402
 from ckray.data.docstore import DocStore  # noqa: E402
 from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
 from ckray.eval import paired_difference, per_query  # noqa: E402
+from ckray.rankers.cedr.model import KNRM_PROBE_TRIPLES  # noqa: E402
 
 CEDR_SETTINGS = dict(max_length=256, max_segments=2)        # the CEDR runs of record (docs/results.md)
 QDS_SETTINGS = dict(max_length=512, window=128, pattern="qds")  # the QDS run of record
@@ -110,8 +113,9 @@ def biencoder_scores(queries, pairs, texts, batch_size: int) -> torch.Tensor:
     return torch.stack([q_vec[q] @ d_vec[d] for q, d in pairs])
 
 
-def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torch.Tensor]:
-    """Every CEDR variant, warm and random, over one shared encoding of each batch."""
+def cedr_scores(queries, pairs, texts, probe, knrm_probe, batch_size: int) -> dict[str, torch.Tensor]:
+    """Every CEDR variant, warm and random, over one shared encoding of each batch; the vanilla head
+    fitted to the triples ``probe``, CEDR-KNRM's probe head to ``knrm_probe``."""
     from ckray.rankers.cedr.model import VARIANTS, CEDRConfig, CEDRRanker
 
     models = {}
@@ -123,7 +127,11 @@ def cedr_scores(queries, pairs, texts, probe, batch_size: int) -> dict[str, torc
     torch.manual_seed(0)
     models["cedr-knrm-all-layers/warm"] = CEDRRanker(CEDRConfig(variant="knrm", head_init="warm",
                                                                 knrm_warm_layers="all", **CEDR_SETTINGS)).eval()
+    torch.manual_seed(0)
+    models["cedr-knrm-probe/warm"] = CEDRRanker(CEDRConfig(variant="knrm", head_init="warm",
+                                                           knrm_warm_layers="probe", **CEDR_SETTINGS)).eval()
     models["vanilla-bert/warm"].warm_start_head(*map(list, zip(*probe)))
+    models["cedr-knrm-probe/warm"].warm_start_head(*map(list, zip(*knrm_probe)), batch_size=batch_size)
     first = next(iter(models.values()))
     out: dict[str, list[torch.Tensor]] = {name: [] for name in models}
     with torch.no_grad():
@@ -179,6 +187,8 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=50, help="dev queries (the first of the dev split, by id)")
     ap.add_argument("--depth", type=int, default=30, help="BM25 candidates reranked per query")
     ap.add_argument("--probe-triples", type=int, default=32, help="training triples the probe heads are fitted on")
+    ap.add_argument("--knrm-probe-triples", type=int, default=KNRM_PROBE_TRIPLES,
+                    help="training triples CEDR-KNRM's probe head is fitted on")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pooled-patterns", default="qds",
@@ -189,14 +199,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
 
-    queries, pairs, texts, qrels, bm25, probe = load_dev(Path(args.data), args.workdir, args.queries, args.depth,
-                                                         args.probe_triples)
+    queries, pairs, texts, qrels, bm25, triples = load_dev(Path(args.data), args.workdir, args.queries, args.depth,
+                                                           max(args.probe_triples, args.knrm_probe_triples))
+    probe, knrm_probe = triples[: args.probe_triples], triples[: args.knrm_probe_triples]
     result: dict = {"bench": "rerank_warm_start", "dev_queries": len(queries), "depth": args.depth,
-                    "pairs": len(pairs), "probe_triples": len(probe), "ndcg@10": {}, "vs_biencoder": {}, "seconds": {}}
+                    "pairs": len(pairs), "probe_triples": len(probe), "knrm_probe_triples": len(knrm_probe),
+                    "ndcg@10": {}, "vs_biencoder": {}, "seconds": {}}
     per_query_scores = {"bm25": per_query_ndcg(pairs, torch.tensor([s for q in sorted(queries) for _, s in bm25[q]]),
                                                qrels)}
     parts = {"biencoder": lambda: {"minilm-biencoder": biencoder_scores(queries, pairs, texts, args.batch_size)},
-             "cedr": lambda: cedr_scores(queries, pairs, texts, probe, args.batch_size),
+             "cedr": lambda: cedr_scores(queries, pairs, texts, probe, knrm_probe, args.batch_size),
              "qds": lambda: qds_scores(queries, pairs, texts, probe, args.batch_size,
                                      list(filter(None, args.pooled_patterns.split(","))), args.workdir)}
     for part, run in parts.items():
