@@ -17,6 +17,8 @@ A training example is a query with a relevant document d+ and a non-relevant one
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,7 @@ from ckray.errors import ConfigError
 
 PAIRWISE_LOSSES = ("softmax", "hinge")
 REDUCTIONS = ("mean", "sum", "none")
+PROBE_TRIPLES = 32   # training triples a [CLS] score head is fitted to by ``pairwise_probe`` (QDS, vanilla BERT)
 
 
 def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", margin: float | torch.Tensor = 1.0,
@@ -46,6 +49,14 @@ def pairwise_loss(pos: torch.Tensor, neg: torch.Tensor, kind: str = "softmax", m
     if reduction == "none":
         return loss
     raise ConfigError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+
+
+def check_probe_triples(queries: Sequence[str], pos_docs: Sequence[str], neg_docs: Sequence[str]) -> None:
+    """The (query, d+, d−) texts a warm head is fitted to must be aligned and non-empty: a clear error before
+    any of them is encoded."""
+    if not (len(queries) == len(pos_docs) == len(neg_docs)) or not len(queries):
+        raise ValueError(f"warm_start_head needs aligned, non-empty triples, got {len(queries)} queries, "
+                         f"{len(pos_docs)} relevant and {len(neg_docs)} non-relevant documents")
 
 
 def pairwise_probe(pos: torch.Tensor, neg: torch.Tensor, l2: float = 1.0) -> torch.Tensor:

@@ -73,7 +73,7 @@ these vectors, whose positions and segments differ.
   above ``WARM_MATCH`` (weight ``1/(2(L+1))`` per layer), the output reads unit 0 alone, and the
   term gate starts uniform (weight 0).
 * ``vanilla``: [CLS] → linear has no lexical input; its warm start is the pairwise probe of
-  :meth:`CEDRRanker.warm_start_head` (the weight that best orders ``VANILLA_PROBE_TRIPLES`` training
+  :meth:`CEDRRanker.warm_start_head` (the weight that best orders ``PROBE_TRIPLES`` training
   pairs, see ``ckray.models.losses.pairwise_probe``), fitted by the training task.
 """
 
@@ -93,7 +93,7 @@ from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, encoder_config, encoder_training_checks,
                                    freeze_bottom_layers, load_encoder, load_tokenizer, set_attention_dropout)
 from ckray.models.kernels import RBFKernels, log_soft_tf
-from ckray.models.losses import pairwise_loss, pairwise_probe
+from ckray.models.losses import PROBE_TRIPLES, check_probe_triples, pairwise_loss, pairwise_probe
 
 VARIANTS = ("knrm", "pacrr", "drmm", "vanilla")
 HEAD_INITS = ("warm", "random")
@@ -101,7 +101,6 @@ WARM_MATCH = 0.6           # similarity from which the warm-started heads count 
 KNRM_WARM_LAYERS = ("last", "all", "probe")
 KNRM_WARM_LAST_LAYER_MATCH = 0.8   # the last layer's warm KNRM kernels: μ at or above this (μ = 0.9)
 KNRM_PROBE_TRIPLES = 256           # training triples the probe-fitted KNRM head is fitted to
-VANILLA_PROBE_TRIPLES = 32         # training triples the vanilla ranker's [CLS] head is fitted to
 Batch = dict[str, torch.Tensor]
 
 
@@ -165,7 +164,7 @@ class CEDRConfig:
         """How many training triples the fitted warm head is fitted to (0: it needs none)."""
         if not self.warm_head_is_fitted:
             return 0
-        return VANILLA_PROBE_TRIPLES if self.variant == "vanilla" else KNRM_PROBE_TRIPLES
+        return PROBE_TRIPLES if self.variant == "vanilla" else KNRM_PROBE_TRIPLES
 
 
 @dataclass
@@ -387,9 +386,7 @@ class CEDRRanker(nn.Module):
                              f"knrm_warm_layers='probe'; {self.config.variant} with head_init="
                              f"{self.config.head_init!r} and knrm_warm_layers={self.config.knrm_warm_layers!r} "
                              f"starts warm in __init__")
-        if not len(queries) == len(pos_docs) == len(neg_docs) or not len(queries):
-            raise ValueError(f"warm_start_head needs aligned, non-empty triples, got {len(queries)} queries, "
-                             f"{len(pos_docs)} relevant and {len(neg_docs)} non-relevant documents")
+        check_probe_triples(queries, pos_docs, neg_docs)
         vanilla = self.config.variant == "vanilla"
         was_training = self.training
         self.eval()

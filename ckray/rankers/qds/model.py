@@ -78,7 +78,7 @@ from ckray.errors import ConfigError
 from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, encoder_training_checks,
                                    freeze_bottom_layers, load_tokenizer, mean_pool, resolve_encoder,
                                    set_attention_dropout)
-from ckray.models.losses import pairwise_loss, pairwise_probe
+from ckray.models.losses import check_probe_triples, pairwise_loss, pairwise_probe
 from ckray.models.sparse_attention import PATTERNS, build_layout, dense_mask, fused_masked_attention, qds_attention
 
 
@@ -422,9 +422,7 @@ class QDSTransformer(nn.Module):
     def warm_start_head(self, queries: Sequence[str], pos_docs: Sequence[str], neg_docs: Sequence[str],
                         batch_size: int = 8) -> None:
         """Set the score head to the pairwise probe of (query, d+, d−) triples (module docstring)."""
-        if not (len(queries) == len(pos_docs) == len(neg_docs)) or not queries:
-            raise ValueError(f"warm_start_head needs aligned, non-empty triples, got {len(queries)} queries, "
-                             f"{len(pos_docs)} positives, {len(neg_docs)} negatives")
+        check_probe_triples(queries, pos_docs, neg_docs)
         pos = self.cls_vectors(queries, pos_docs, batch_size)
         neg = self.cls_vectors(queries, neg_docs, batch_size)
         self.score.weight.copy_(pairwise_probe(pos, neg)[None].to(self.score.weight))

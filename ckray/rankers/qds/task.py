@@ -11,10 +11,10 @@ import torch
 from ckray.data.statistics import CorpusStats
 from ckray.errors import ConfigError
 from ckray.models.encoders import load_tokenizer
+from ckray.models.losses import PROBE_TRIPLES
 from ckray.rankers.qds.model import QDSConfig, QDSTransformer, collate_triples, triple_loss
 from ckray.training import RankerTask
 
-PROBE_TRIPLES = 32   # training triples a warm-started [CLS] head is fitted to (``warm_start_head``)
 PROBE_COLUMNS = ("query", "pos_text", "neg_text")
 
 
