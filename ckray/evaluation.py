@@ -95,10 +95,11 @@ def save_with_checkpoint(workdir: str, first: str, reranker: str, config) -> Non
     """Save a ``w`` tuned in ``workdir`` with the reranker's checkpoint (``ckray.deploy``), for
     collections without training queries."""
     from ckray.deploy import save_fusion_weight
-    from ckray.pipelines import checkpoint_dir
+    from ckray.pipelines import checkpoint_dir, first_stage_models
 
     save_fusion_weight(checkpoint_dir(workdir, reranker), first, {
         "weight": config.weight, "depth": config.depth, "rule": config.rule,
+        "first_stage_models": first_stage_models(workdir, first),
         "tuned_on": {"workdir": str(Path(workdir).resolve()), "dev_queries": config.dev_queries}})
 
 
@@ -106,11 +107,12 @@ def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: i
     """For a collection with no training queries: the ``w`` saved with the reranker's checkpoint for
     this first stage (``ckray.deploy``), written to ``W/fusion`` with its ``source`` and this work
     directory's stamps. A MissingArtifactError when none was saved; a ConfigError when the saved ones
-    were tuned over other first stages."""
+    were tuned over other first stages, or over another model of this first stage (another CLEAR or
+    CK-QTI checkpoint than the one this collection's index was built with)."""
     from ckray.deploy import carried_fusion_weight, deploy_path, source_of
     from ckray.errors import MissingArtifactError
     from ckray.fusion import InterpolationConfig, save_interpolation
-    from ckray.pipelines import checkpoint_dir
+    from ckray.pipelines import checkpoint_dir, first_stage_files, first_stage_models
 
     checkpoint = checkpoint_dir(workdir, reranker)
     carried = carried_fusion_weight(checkpoint, first)
@@ -119,6 +121,16 @@ def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: i
             f"{first}+{reranker}: this collection has no training queries to tune w on, and {deploy_path(checkpoint)} "
             "holds no weight tuned where the model was trained; evaluate the pipeline on the training collection "
             "first (it saves w with the checkpoint), or pass --fusion-weight")
+    tuned_over, here = carried.get("first_stage_models"), first_stage_models(workdir, first)
+    if tuned_over is None:
+        log.warning("%s+%s: %s does not say which %s model w was tuned over; used as is", first, reranker,
+                    deploy_path(checkpoint), first)
+    elif sorted(tuned_over) != here:
+        raise ConfigError(
+            f"{first}+{reranker}: the w in {deploy_path(checkpoint)} was tuned over the {first} model(s) "
+            f"{', '.join(d[:12] for d in tuned_over) or 'none'}, but this collection's {first} index was built with "
+            f"{', '.join(d[:12] for d in here) or 'none'} ({', '.join(map(str, first_stage_files(workdir, first)))}): "
+            f"tune {first}+{reranker} again on the training collection with this {first} model, or pass --fusion-weight")
     if int(carried.get("depth", rerank_depth)) != rerank_depth:
         log.warning("%s+%s: w = %s was tuned at rerank depth %s, used here at %d", first, reranker,
                     carried["weight"], carried.get("depth"), rerank_depth)

@@ -102,6 +102,14 @@ def first_stage_fingerprint(workdir: str | os.PathLike, first: str) -> dict:
     return {str(f.relative_to(workdir)): artifact_content(f) for f in first_stage_files(workdir, first)}
 
 
+def first_stage_models(workdir: str | os.PathLike, first: str) -> list[str]:
+    """The digests (``checkpoint_sha256``) of the models the first stage's index was built with, sorted;
+    empty for a first stage without one (BM25). Unlike :func:`first_stage_digest` it does not depend on
+    the collection, so a weight carried to another collection can say which model it was tuned over."""
+    return sorted({content["checkpoint_sha256"] for content in first_stage_fingerprint(workdir, first).values()
+                   if isinstance(content, dict) and content.get("checkpoint_sha256")})
+
+
 def first_stage_digest(workdir: str | os.PathLike, first: str) -> str:
     """sha256 of :func:`first_stage_fingerprint`: what a weight tuned on this first stage records."""
     import hashlib

@@ -248,6 +248,46 @@ def test_without_training_queries_the_weight_saved_with_the_checkpoint_is_used_f
         ensure("bm25+cedr-knrm")
 
 
+def test_a_weight_carried_over_another_clear_model_than_the_target_index_was_built_with_is_an_error(tmp_path, caplog):
+    """w is tuned over one first-stage model's scores: carried to a collection whose CLEAR index was built
+    with another checkpoint, it is refused, naming both models; over the same model it is used."""
+    import ckray.evaluation
+    from ckray.deploy import save_fusion_weight
+    from ckray.fusion import InterpolationConfig
+    from ckray.models.checkpoint import save_model
+    from ckray.pipelines import checkpoint_dir, first_stage_models
+
+    def clear_index(workdir, digest):
+        meta = workdir / "dense" / "index" / "meta.json"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({"checkpoint_sha256": digest, "count": 3}))
+
+    trained = save_model(_TinyModel(_TinyConfig()), tmp_path / "train" / "checkpoints" / "cedr-knrm")
+    clear_index(tmp_path / "train", "a" * 64)
+    assert first_stage_models(tmp_path / "train", "clear") == ["a" * 64] and first_stage_models(tmp_path / "train", "bm25") == []
+    ckray.evaluation.save_with_checkpoint(str(tmp_path / "train"), "clear", "cedr-knrm",
+                                          InterpolationConfig(weight=1.7, depth=30, table={}, dev_queries=12))
+    target = tmp_path / "target"
+    checkpoint_dir(target, "cedr-knrm").parent.mkdir(parents=True)
+    checkpoint_dir(target, "cedr-knrm").symlink_to(trained)
+
+    def ensure():
+        return ckray.evaluation.ensure_interpolation(str(target), "clear+cedr-knrm", {}, {"test": {"q": {"d": 1}}}, 30)
+
+    clear_index(target, "b" * 64)                       # the target's CLEAR index: another model
+    with pytest.raises(ConfigError, match=r"tuned over the clear model\(s\) aaaaaaaaaaaa, but .* built with bbbbbbbbbbbb "
+                                          r".*meta.json.*--fusion-weight"):
+        ensure()
+    clear_index(target, "a" * 64)                       # rebuilt with the model w was tuned over
+    assert ensure().weight == 1.7
+    # a weight saved before the model was recorded: used, with a warning that it cannot be checked
+    save_fusion_weight(trained, "clear", {"weight": 0.9, "depth": 30, "tuned_on": {"dev_queries": 12}})
+    clear_index(target, "b" * 64)
+    with caplog.at_level("WARNING", logger="ckray.evaluation"):
+        assert ensure().weight == 0.9
+    assert "does not say which clear model" in caplog.text
+
+
 def test_evaluating_first_plus_and_first_greater_reranker_together_reranks_once(tmp_path, monkeypatch):
     import ckray.evaluation
     from ckray.data.sample import generate_sample
