@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES, check_weight_rule
+from ckray.fusion import DEFAULT_WEIGHT_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ class BenchmarkConfig:
     shards: int = option(4, "corpus shards per collection")
     index_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float | None = option(None, "CLEAR's λ_test instead of the carried one", flag="--lambda")
+    hybrid_normalization: str | None = option(None, "scores CLEAR's λ_test is tuned on and applies to (default: "
+                                                    "the dense index job's, none; a carried λ of another one needs "
+                                                    "--lambda)",
+                                              choices=HYBRID_NORMALIZATIONS)
     fusion_weight: float | None = option(None, "w of every first+reranker instead of the carried one")
     weight_rule: str = option(DEFAULT_WEIGHT_RULE, "how w is chosen on the training collection's dev queries "
                                                  "(jobs/evaluate.py --weight-rule)", choices=WEIGHT_RULES)
@@ -153,9 +157,13 @@ def benchmark_collection(config: BenchmarkConfig, data: str, workdir: Path) -> d
     log.info("benchmark: %s in %s", data, workdir)
     prepare_collection(data, workdir, shards=config.shards, split=None)
     link_checkpoints(config.checkpoints, workdir, list(needed_checkpoints(config.pipelines)))
-    build_indexes(data, workdir, config.pipelines, config.index_options)
+    index_options = dict(config.index_options)
+    if config.hybrid_normalization is not None:   # λ_test is tuned (first collection) on the scores it will apply to
+        index_options["clear"] = {**index_options.get("clear", {}), "hybrid_normalization": config.hybrid_normalization}
+    build_indexes(data, workdir, config.pipelines, index_options)
     return api.evaluate(config.pipelines, data, workdir, split=config.split, k=config.k,
-                        rerank_depth=config.rerank_depth, lam=config.lam, fusion_weight=config.fusion_weight,
+                        rerank_depth=config.rerank_depth, lam=config.lam,
+                        hybrid_normalization=config.hybrid_normalization, fusion_weight=config.fusion_weight,
                         weight_rule=config.weight_rule)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from ckray.data.collections import judged_queries, read_queries_and_qrels, write_trec_run
 from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
-from ckray.fusion import DEFAULT_WEIGHT_RULE, WEIGHT_RULES, check_weight_rule
+from ckray.fusion import DEFAULT_WEIGHT_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
 from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
@@ -33,6 +33,9 @@ class EvaluateConfig:
     measures: tuple[str, ...] = DEFAULT_MEASURES
     lam: float | None = option(None, "CLEAR's λ_test (default: W/dense/hybrid.json: tuned on training queries, or "
                                      "carried from the checkpoint's deploy.json)", flag="--lambda")
+    hybrid_normalization: str | None = option(None, "scores CLEAR's λ_test applies to: tmm or none (default: "
+                                                    "W/dense/hybrid.json's; another one needs --lambda)",
+                                              choices=HYBRID_NORMALIZATIONS)
     fusion_weight: float | None = option(None, "w of every first+reranker (default: tuned on the dev training "
                                                "queries, or, on a collection without them, the one saved in the "
                                                "reranker checkpoint's deploy.json)")
@@ -183,19 +186,23 @@ def interpolation_setting(workdir: str, first: str, reranker: str, weight: float
             "file": str(fusion_path(workdir, first, reranker))}
 
 
-def first_stage_options(first: str, n_queries: int, lam: float | None = None) -> dict:
+def first_stage_options(first: str, n_queries: int, lam: float | None = None,
+                        normalization: str | None = None) -> dict:
     """The first stage's options for ``n_queries`` queries: from ``POOL_MIN_QUERIES`` queries on, BM25
     searches on a pool of Ray actors, as many as the cluster's CPUs hold (``ckray.lexical.pool``; the
     run equals one searcher's); other first stages and fewer queries search in this process. ``lam``
-    (``--lambda``) goes to a first stage whose factory takes a λ (CLEAR's hybrid)."""
+    (``--lambda``) and ``normalization`` (``--hybrid-normalization``) go to a first stage whose factory
+    takes them (CLEAR's hybrid)."""
     import inspect
 
     from ckray import rankers
     from ckray.lexical.pool import POOL_MIN_QUERIES
 
     options = {"actors": None} if first == "bm25" and n_queries >= POOL_MIN_QUERIES else {}
-    if lam is not None and "lam" in inspect.signature(rankers.resolve(rankers.first_stages()[first].factory)).parameters:
-        options["lam"] = lam
+    accepted = inspect.signature(rankers.resolve(rankers.first_stages()[first].factory)).parameters
+    for name, value in (("lam", lam), ("normalization", normalization)):
+        if value is not None and name in accepted:
+            options[name] = value
     return options
 
 
@@ -253,7 +260,8 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
         if is_interpolated(name) and config.fusion_weight is None:
             ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth, rule=config.weight_rule)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth,
-                              retriever_options=first_stage_options(first, len(split_q), config.lam),
+                              retriever_options=first_stage_options(
+                                  first, len(split_q), config.lam, config.hybrid_normalization),
                               interpolation_weight=config.fusion_weight)
         run = pipe.run(split_q, k=config.k)
         wall = time.time() - t0
@@ -285,7 +293,8 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
         weight = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth,
                                       rule=config.weight_rule).weight
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth,
-                          retriever_options=first_stage_options(first, len(split_q), config.lam))
+                          retriever_options=first_stage_options(
+                              first, len(split_q), config.lam, config.hybrid_normalization))
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))
     reranked = pipe.reranker.rerank(split_q, first_run, depth=pipe.rerank_depth)
     runs = {out_plain: reranked, out_plus: interpolate(first_run, reranked, pipe.rerank_depth, weight)}

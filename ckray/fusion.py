@@ -24,7 +24,16 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
   uses that one (``ckray.evaluation.ensure_interpolation``).
 
 * **A linear combination of two scores per (query, document)** (:func:`linear_fusion`): CLEAR's
-  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.dense``).
+  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.dense``), on the raw scores
+  (``"none"``, the paper's) or on scores normalised per query by their theoretical minimum and the
+  query's maximum (``"tmm"``; Bruch, Gai & Ingber 2023, *An Analysis of Fusion Functions for Hybrid
+  Retrieval*, TOIS 42(1), §4: ``φ(s) = (s − m) / (M_q − m)`` with ``m`` = 0 for BM25 and −1 for a
+  cosine). A BM25 score grows with the query's length and the collection's IDF while a cosine does
+  not, so a raw λ chosen on one collection weighs BM25 differently on another; after ``φ`` both
+  sides lie in [0, 1] with the query's best document at 1. ``"none"`` stays the default: a trained
+  CLEAR's dense score is the residual of *raw* BM25 (its margin subtracts ``λ_train · Δs_lex``), and
+  measured on SciFact and CACM it ranks better on raw scores; ``"tmm"`` helps an untrained encoder's
+  hybrid (docs/transfer.md).
 
 Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`, by one of
 two rules:
@@ -134,11 +143,39 @@ def interpolate(first: Run, reranked: Run, depth: int, weight: float) -> Run:
     return out
 
 
-def linear_fusion(candidates: Candidates, weight: float, k: int = 1000) -> Run:
+HYBRID_NORMALIZATIONS = ("none", "tmm")
+DEFAULT_HYBRID_NORMALIZATION = "none"   # CLEAR is trained against raw BM25 (its margin's λ_train · Δs_lex)
+THEORETICAL_MINIMA = (0.0, -1.0)        # BM25 ≥ 0; a cosine ≥ −1
+
+
+def check_hybrid_normalization(config: str, normalization: str) -> None:
+    """A ConfigError naming ``config``'s ``normalization`` field unless it is one of HYBRID_NORMALIZATIONS."""
+    if normalization not in HYBRID_NORMALIZATIONS:
+        raise ConfigError.invalid(config, "normalization", f"must be one of {HYBRID_NORMALIZATIONS}, "
+                                                           f"got {normalization!r}")
+
+
+def theoretical_min_max(docs: Mapping[str, tuple[float, float]],
+                        minima: tuple[float, float] = THEORETICAL_MINIMA) -> dict[str, tuple[float, float]]:
+    """Each side's ``φ(s) = (s − m) / (M_q − m)``: ``m`` its theoretical minimum, ``M_q`` its maximum
+    over this query's candidates (Bruch et al. 2023, TMM). A side whose maximum is its minimum maps to 0."""
+    if not docs:
+        return {}
+    tops = [max(pair[i] for pair in docs.values()) for i in (0, 1)]
+    spans = [top - m for top, m in zip(tops, minima)]
+    return {d: tuple((s - m) / span if span > 0 else 0.0 for s, m, span in zip(pair, minima, spans))
+            for d, pair in docs.items()}
+
+
+def linear_fusion(candidates: Candidates, weight: float, k: int = 1000, normalization: str = "none") -> Run:
     """``s = weight · s_a + s_b`` for each candidate's score pair (CLEAR's Eq. 8: ``λ · s_lex + s_emb``),
-    top ``k`` per query, best first, ties by doc id."""
+    on the raw scores (``"none"``) or on their :func:`theoretical_min_max` (``"tmm"``); top ``k`` per
+    query, best first, ties by doc id."""
+    check_hybrid_normalization("linear_fusion", normalization)
     run: Run = {}
     for qid, docs in candidates.items():
+        if normalization == "tmm":
+            docs = theoretical_min_max(docs)
         scored = [(d, weight * a + b) for d, (a, b) in docs.items()]
         scored.sort(key=lambda x: (-x[1], x[0]))
         run[qid] = scored[:k]

@@ -13,7 +13,7 @@ import torch
 
 from ckray.data.shards import marker_path, shard_name, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import linear_fusion
+from ckray.fusion import linear_fusion, theoretical_min_max
 from ckray.rankers.clear.dense import (DenseIndex, DenseRetriever, EmbedConfig, HybridConfig, HybridRetriever, IndexConfig,
                                embed_corpus, embeddings_dir, hybrid_candidates, read_embedding_shards, tune_lambda,
                                write_embedding_shard)
@@ -317,13 +317,53 @@ class _FakeDense:
 
 
 def test_hybrid_retriever_fetches_exact_scores_and_tunes_on_training_queries():
-    hybrid = HybridRetriever(_FakeLexical(), _FakeDense(), HybridConfig(lam=1.0, dense_depth=3))
+    hybrid = HybridRetriever(_FakeLexical(), _FakeDense(), HybridConfig(lam=1.0, dense_depth=3, normalization="none"))
     cands = hybrid.candidates({"q1": "x", "q2": "y"})
     assert cands["q2"]["E"] == (2.0, 0.05)                  # s_lex from the Lucene-style scorer
     best, _ = hybrid.tune({"q1": "x", "q2": "y"}, QRELS)
     assert hybrid.config.lam == best and 0.08 < best < 0.16
     run = hybrid.search({"q1": "x", "q2": "y"}, k=1)
     assert run == {"q1": [("A", pytest.approx(best * 10 + 0.1))], "q2": [("C", pytest.approx(best * 5 + 0.9))]}
+
+
+def test_tmm_puts_each_side_in_0_1_with_the_querys_best_document_at_1():
+    cands = hybrid_candidates(LEX, EMB, lex_score=lambda q, ids: {d: 1.0 for d in ids})
+    assert theoretical_min_max(cands["q1"]) == {"A": pytest.approx((1.0, 1.1 / 1.5)), "B": pytest.approx((0.5, 1.0))}
+    assert theoretical_min_max(cands["q2"])["E"] == pytest.approx((0.1, 1.05 / 1.9))
+    assert dict(linear_fusion(cands, 1.0, normalization="tmm")["q1"]) == pytest.approx(
+        {"A": 1.0 + 1.1 / 1.5, "B": 0.5 + 1.0})
+    with pytest.raises(ConfigError, match="normalization must be one of"):
+        linear_fusion(cands, 1.0, normalization="z")
+
+
+def test_a_tmm_lambda_means_the_same_when_bm25_scores_scale_and_a_raw_one_does_not():
+    # BM25 scores grow with query length and IDF: the same query on another collection, its BM25 scores × 6
+    cands = hybrid_candidates(LEX, EMB)
+    scaled = {q: {d: (6 * a, b) for d, (a, b) in docs.items()} for q, docs in cands.items()}
+    best, table = tune_lambda(cands, QRELS, normalization="tmm")
+    assert table[best] == pytest.approx(1.0)
+    same, original = (linear_fusion(c, best, normalization="tmm") for c in (scaled, cands))
+    assert {q: dict(h) for q, h in same.items()} == {q: pytest.approx(dict(h)) for q, h in original.items()}
+    assert [[d for d, _ in h] for h in same.values()] == [[d for d, _ in h] for h in original.values()]
+    raw_best, _ = tune_lambda(cands, QRELS)
+    assert [d for d, _ in linear_fusion(scaled, raw_best)["q2"]][0] == "D"   # raw: BM25 now outweighs, C loses
+    assert [d for d, _ in linear_fusion(cands, raw_best)["q2"]][0] == "C"
+
+
+def test_hybrid_normalization_flags_and_models_that_do_not_fit_are_errors(tmp_path):
+    from types import SimpleNamespace
+
+    from ckray.rankers.clear.dense import hybrid_retriever, save_hybrid_config
+
+    dot_product = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(normalize=False)), checkpoint="ckpt-dot")
+    with pytest.raises(ConfigError, match="ckpt-dot .*normalize: false.*'none'"):
+        HybridRetriever(_FakeLexical(), dot_product, HybridConfig(normalization="tmm"))
+    HybridRetriever(_FakeLexical(), dot_product, HybridConfig(normalization="none"))    # raw Eq. 8 needs no bound
+    with pytest.raises(ConfigError, match="HybridConfig.normalization"):
+        HybridConfig(normalization="minmax")
+    save_hybrid_config(tmp_path, HybridConfig(lam=0.4, normalization="tmm"))
+    with pytest.raises(ConfigError, match=r"λ_test 0.4 in .*hybrid.json applies to 'tmm'.* not 'none'.*--lambda"):
+        hybrid_retriever(tmp_path, normalization="none")
 
 
 def test_a_query_tower_other_than_the_indexed_model_is_refused_naming_both(encoded, tiny_checkpoint, tmp_path):
@@ -354,7 +394,12 @@ def test_lambda_saved_with_the_checkpoint_is_carried_to_a_collection_without_tra
     carried = carry_hybrid(tmp_path, tiny_checkpoint)
     loaded = load_hybrid_config(tmp_path)
     assert loaded.lam == carried.lam == 0.08 and loaded.source == str(deploy_path(tiny_checkpoint.resolve()))
-    assert HybridRetriever(None, None, loaded).settings == {"lambda": {"value": 0.08, "source": loaded.source}}
+    assert loaded.normalization == "none"          # a λ saved without the field was tuned on raw scores
+    assert HybridRetriever(None, None, loaded).settings == {"lambda": {"value": 0.08, "normalization": "none",
+                                                                       "source": loaded.source}}
+    save_deploy_setting(tiny_checkpoint, "lambda", {"value": 0.4, "normalization": "tmm", "tuned_on": {}})
+    assert (carry_hybrid(tmp_path, tiny_checkpoint).normalization == load_hybrid_config(tmp_path).normalization
+            == "tmm")
     # tuned here: the file has no source, as before
     save_hybrid_config(tmp_path, HybridConfig(lam=0.3))
     assert "source" not in json.loads((tmp_path / "dense" / "hybrid.json").read_text())

@@ -129,8 +129,13 @@ def test_the_evaluate_jobs_flags_are_the_fields_of_its_config():
     assert sorted(_job_flags(p)) == sorted(flags_of(EvaluateConfig).values())
     base = ["--data", "D", "--workdir", "W"]
     c = options_from_args(EvaluateConfig, p.parse_args(base + ["--pipeline", "bm25", "--pipeline", "clear",
-                                                              "--lambda", "0.1"]), data="D", workdir="W")
+                                                              "--lambda", "0.1", "--hybrid-normalization",
+                                                              "none"]), data="D", workdir="W")
     assert (c.pipelines, c.lam, c.k, c.fusion_weight) == (["bm25", "clear"], 0.1, 1000, None)
+    assert c.hybrid_normalization == "none"
+    assert options_from_args(EvaluateConfig, p.parse_args(base), data="D", workdir="W").hybrid_normalization is None
+    with pytest.raises(SystemExit):   # argparse names the choices
+        p.parse_args(base + ["--hybrid-normalization", "z"])
     assert options_from_args(EvaluateConfig, p.parse_args(base), data="D", workdir="W").pipelines == ["bm25"]
     with pytest.raises(ConfigError, match=r"^--rerank-depth must be >= 1, got 0$"):
         options_from_args(EvaluateConfig, p.parse_args(base + ["--rerank-depth", "0"]), data="D", workdir="W")

@@ -21,7 +21,10 @@ Index (:class:`DenseIndex`): inner product over the embeddings; ``flat`` (exact)
 ``ivf`` and ``ivfpq`` for large corpora; on GPU faiss when ``faiss.get_num_gpus() > 0``.
 
 Hybrid (Gao et al. 2020, Eq. 8): ``s(q, d) = λ_test · s_lex(q, d) + s_emb(q, d)`` over the union of
-the BM25 top ``lex_depth`` and the dense top ``dense_depth``. A union member found by only one side
+the BM25 top ``lex_depth`` and the dense top ``dense_depth``, on the raw scores (``HybridConfig.normalization
+= "none"``, the paper's and the default: CLEAR is trained as the residual of raw BM25) or on each side's scores
+normalised per query (``"tmm"``, ``ckray.fusion.theoretical_min_max``: BM25 / its query maximum, (cos + 1) /
+(its query maximum + 1)), which carries an untrained encoder's λ_test better to another collection. A union member found by only one side
 gets its *exact* missing score: s_emb from its stored vector, s_lex from the Lucene scorer
 (``BM25Searcher.score``); retrievers without a scorer fall back to the smallest score that side
 returned for the query (a lower bound, documented in :func:`hybrid_candidates`). λ_test is chosen by
@@ -49,7 +52,8 @@ from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, cras
                                    timing_columns, validate_checks)
 from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import Candidates, Run, grid_search, judged_queries, linear_fusion
+from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, Candidates, Run, check_hybrid_normalization, grid_search,
+                          judged_queries, linear_fusion)
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -626,27 +630,35 @@ def _fill(qid: str, ids: list[str], scorer, have: Mapping[str, float]) -> dict[s
 
 
 def tune_lambda(candidates: Candidates, qrels: Mapping[str, Mapping[str, int]],
-                grid: Sequence[float] = DEFAULT_LAMBDA_GRID, k: int = 1000) -> tuple[float, dict[float, float]]:
+                grid: Sequence[float] = DEFAULT_LAMBDA_GRID, k: int = 1000,
+                normalization: str = "none") -> tuple[float, dict[float, float]]:
     """Grid search of λ_test maximising nDCG@10 of Eq. 8 (``ckray.fusion.linear_fusion``, ``s = λ ·
-    s_lex + s_emb``) over the judged queries in ``candidates`` (``ckray.fusion.grid_search``).
+    s_lex + s_emb`` on the scores as ``normalization`` gives them) over the judged queries in
+    ``candidates`` (``ckray.fusion.grid_search``).
 
     Returns ``(best λ, {λ: nDCG@10})``; ties go to the smaller λ.
     """
     judged = judged_queries(qrels, candidates, "tune_lambda")
     cands = {q: candidates[q] for q in judged}
-    return grid_search(lambda lam: linear_fusion(cands, lam, k), judged, grid, "λ_test")
+    return grid_search(lambda lam: linear_fusion(cands, lam, k, normalization), judged, grid, "λ_test")
 
 
 @dataclass
 class HybridConfig:
-    """Eq. 8 retrieval. ``lam`` is λ_test; depths are the candidate lists taken from each side."""
+    """Eq. 8 retrieval. ``lam`` is λ_test, applied to the scores as ``normalization`` gives them
+    (module docstring; a file written without the field meant ``"none"``, :func:`load_hybrid_config`);
+    depths are the candidate lists taken from each side."""
 
     lam: float = 0.05
+    normalization: str = DEFAULT_HYBRID_NORMALIZATION
     lex_depth: int = 1000
     dense_depth: int = 100
     exact: bool = True            # fetch missing scores exactly (else: lowest score of that side)
     tuned: dict = field(default_factory=dict)
     source: str | None = None     # where a λ not tuned here came from (a checkpoint's deploy.json, ckray.deploy)
+
+    def __post_init__(self) -> None:
+        check_hybrid_normalization("HybridConfig", self.normalization)
 
 
 class HybridRetriever:
@@ -654,6 +666,11 @@ class HybridRetriever:
 
     def __init__(self, lexical: Any, dense: DenseRetriever, config: HybridConfig | None = None):
         self.lexical, self.dense, self.config = lexical, dense, config or HybridConfig()
+        normalized = getattr(getattr(getattr(dense, "model", None), "config", None), "normalize", True)
+        if self.config.normalization == "tmm" and not normalized:
+            raise ConfigError(f"CLEAR checkpoint {getattr(dense, 'checkpoint', None)} scores by an inner product "
+                              f"(normalize: false), which has no lower bound: hybrid normalization 'tmm' needs its "
+                              f"cosine; use normalization 'none' (--hybrid-normalization none)")
 
     def candidates(self, queries: Mapping[str, str], k: int | None = None) -> Candidates:
         cfg = self.config
@@ -669,17 +686,17 @@ class HybridRetriever:
     @property
     def settings(self) -> dict:
         """The deployment setting in use and where it came from (what an evaluation records)."""
-        return {"lambda": {"value": self.config.lam,
+        return {"lambda": {"value": self.config.lam, "normalization": self.config.normalization,
                            "source": self.config.source or "tuned on this collection's training queries"}}
 
     def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
-        run = linear_fusion(self.candidates(queries, k), self.config.lam, k)
+        run = linear_fusion(self.candidates(queries, k), self.config.lam, k, self.config.normalization)
         return {q: run.get(q, []) for q in queries}
 
     def tune(self, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]],
              grid: Sequence[float] = DEFAULT_LAMBDA_GRID) -> tuple[float, dict[float, float]]:
         """Set λ_test by grid search on nDCG@10 over ``queries`` (training queries, never test)."""
-        best, table = tune_lambda(self.candidates(queries), qrels, grid)
+        best, table = tune_lambda(self.candidates(queries), qrels, grid, normalization=self.config.normalization)
         self.config.lam = best
         self.config.tuned = {"queries": len(queries), "ndcg@10": table[best], "grid": {str(k): v for k, v in table.items()}}
         return best, table
@@ -697,7 +714,8 @@ def tune_hybrid(workdir: str | os.PathLike, queries: Mapping[str, str], qrels: M
     hybrid = HybridRetriever(bm25_retriever(workdir), dense, config or HybridConfig())
     hybrid.tune(queries, qrels, grid)
     save_hybrid_config(workdir, hybrid.config)
-    save_deploy_setting(dense.checkpoint, "lambda", {"value": hybrid.config.lam, "tuned_on": {
+    save_deploy_setting(dense.checkpoint, "lambda", {"value": hybrid.config.lam,
+                                                     "normalization": hybrid.config.normalization, "tuned_on": {
         "workdir": str(Path(workdir).resolve()), "queries": len(queries), "ndcg@10": hybrid.config.tuned["ndcg@10"]}})
     return hybrid.config
 
@@ -710,8 +728,8 @@ def carry_hybrid(workdir: str | os.PathLike, checkpoint: str | os.PathLike) -> H
     carried = carried_lambda(checkpoint)
     if carried is None:
         return None
-    config = HybridConfig(lam=float(carried["value"]), source=source_of(checkpoint),
-                          tuned=dict(carried.get("tuned_on") or {}))
+    config = HybridConfig(lam=float(carried["value"]), normalization=carried.get("normalization", "none"),
+                          source=source_of(checkpoint), tuned=dict(carried.get("tuned_on") or {}))
     save_hybrid_config(workdir, config)
     return config
 
@@ -728,7 +746,9 @@ def load_hybrid_config(workdir: str | os.PathLike) -> HybridConfig:
     if not path.exists():
         raise MissingArtifactError(f"no tuned λ_test at {path}: run jobs/build_dense_index.py (it tunes λ on "
                                    f"training queries, or carries the λ saved with the checkpoint), or pass --lambda")
-    return HybridConfig(**json.loads(path.read_text()))
+    record = json.loads(path.read_text())
+    record.setdefault("normalization", "none")   # written before the field: the raw Eq. 8
+    return HybridConfig(**record)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,12 +782,22 @@ def check_index_checkpoint(index: DenseIndex, checkpoint: str | os.PathLike, whe
 
 
 def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-                     lam: float | None = None, **options: Any) -> HybridRetriever:
-    """``clear``: BM25 + CLEAR dense with the λ_test tuned on training queries (``W/dense/hybrid.json``)."""
+                     lam: float | None = None, normalization: str | None = None, **options: Any) -> HybridRetriever:
+    """``clear``: BM25 + CLEAR dense with the λ_test tuned on training queries (``W/dense/hybrid.json``).
+    ``lam`` / ``normalization`` (flags) override the file's. A λ means something only on the scores it
+    was tuned on, so another normalization than the file's needs a λ too (a ConfigError otherwise)."""
     from ckray.lexical.bm25 import bm25_retriever
 
-    config = HybridConfig(lam=lam, source="flag") if lam is not None and not (
-        dense_root(workdir) / HYBRID_FILE).exists() else load_hybrid_config(workdir)
-    if lam is not None:
-        config.lam, config.source = lam, "flag"
+    if normalization is not None:
+        check_hybrid_normalization("hybrid_retriever", normalization)
+    path = dense_root(workdir) / HYBRID_FILE
+    if lam is not None and not path.exists():
+        config = HybridConfig(lam=lam, normalization=normalization or DEFAULT_HYBRID_NORMALIZATION, source="flag")
+    else:
+        config = load_hybrid_config(workdir)
+        if normalization not in (None, config.normalization) and lam is None:
+            raise ConfigError(f"λ_test {config.lam} in {path} applies to {config.normalization!r}-normalised scores, "
+                              f"not {normalization!r}: pass --lambda with --hybrid-normalization")
+        if lam is not None:
+            config.lam, config.normalization, config.source = lam, normalization or config.normalization, "flag"
     return HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint, **options), config)

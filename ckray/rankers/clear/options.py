@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckray.fusion import DEFAULT_HYBRID_NORMALIZATION, HYBRID_NORMALIZATIONS
 from ckray.models import DEFAULT_ENCODER
 from ckray.options import option
 
@@ -37,3 +38,8 @@ class DenseIndexOptions:
     tune_queries: str = option("held-out", "tune λ_test on the held-out dev queries of --tune-split (those CLEAR did "
                                            "not train on) or on all of them (fine for an untrained encoder)",
                                choices=("held-out", "all"))
+    hybrid_normalization: str = option(DEFAULT_HYBRID_NORMALIZATION, "scores λ_test is tuned on: none (the paper's "
+                                       "raw Eq. 8, what CLEAR is trained for) or tmm (each side normalised per query "
+                                       "by its theoretical minimum and the query's maximum: carries an untrained "
+                                       "encoder's λ better)",
+                                       choices=HYBRID_NORMALIZATIONS)

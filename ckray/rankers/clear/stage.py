@@ -36,8 +36,9 @@ def build_index(args: argparse.Namespace) -> dict:
     the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
     ``lambda`` (without such a split: the λ saved with the checkpoint, ``ckray.deploy``; None when none)."""
     from ckray.data.collections import read_queries_and_qrels
-    from ckray.rankers.clear.dense import (EmbedConfig, IndexConfig, build_dense_index, carry_hybrid, default_checkpoint,
-                                           tune_hybrid)
+    from ckray.fusion import DEFAULT_HYBRID_NORMALIZATION
+    from ckray.rankers.clear.dense import (EmbedConfig, HybridConfig, IndexConfig, build_dense_index, carry_hybrid,
+                                           default_checkpoint, tune_hybrid)
     from ckray.ray_env import init_ray
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
@@ -58,12 +59,15 @@ def build_index(args: argparse.Namespace) -> dict:
         else:
             split_q = {q: queries[q] for q in qrels[args.tune_split] if q in queries}
             tune_qrels = qrels[args.tune_split]
-        config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint)
-        summary.update({"lambda": config.lam, "tune_queries": len(split_q), "tune_split": args.tune_split})
+        normalization = getattr(args, "hybrid_normalization", None) or DEFAULT_HYBRID_NORMALIZATION
+        config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint, HybridConfig(normalization=normalization))
+        summary.update({"lambda": config.lam, "normalization": config.normalization, "tune_queries": len(split_q),
+                        "tune_split": args.tune_split})
     else:  # no training queries here: the λ tuned where the model was trained, when saved with it
         config = carry_hybrid(args.workdir, checkpoint)
         if config is not None:
-            summary.update({"lambda": config.lam, "lambda_source": config.source})
+            summary.update({"lambda": config.lam, "normalization": config.normalization,
+                            "lambda_source": config.source})
     return summary
 
 
@@ -72,8 +76,10 @@ def report(summary: dict) -> None:
     summary = dict(summary)
     lam = summary.pop("lambda")
     tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split", "lambda_source") if k in summary}
+    normalization = summary.pop("normalization", "none")
+    scores = "on raw scores" if normalization == "none" else f"on {normalization}-normalised scores"
     print(f"embedding job: {summary}")
     if lam is not None and "lambda_source" in tuned:
-        print(f"λ_test = {lam} (no training queries here: carried from {tuned['lambda_source']})")
+        print(f"λ_test = {lam} {scores} (no training queries here: carried from {tuned['lambda_source']})")
     elif lam is not None:
-        print(f"λ_test = {lam} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
+        print(f"λ_test = {lam} {scores} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
