@@ -362,7 +362,7 @@ def test_hybrid_normalization_flags_and_models_that_do_not_fit_are_errors(tmp_pa
     with pytest.raises(ConfigError, match="HybridConfig.normalization"):
         HybridConfig(normalization="minmax")
     save_hybrid_config(tmp_path, HybridConfig(lam=0.4, normalization="tmm"))
-    with pytest.raises(ConfigError, match=r"λ_test 0.4 in .*hybrid.json applies to 'tmm'.* not 'none'.*--lambda"):
+    with pytest.raises(ConfigError, match=r"λ_test 0.4 in .*hybrid.json was tuned for hybrid normalization 'tmm', not 'none'.*--lambda"):
         hybrid_retriever(tmp_path, normalization="none")
 
 

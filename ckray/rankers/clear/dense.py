@@ -21,14 +21,15 @@ Index (:class:`DenseIndex`): inner product over the embeddings; ``flat`` (exact)
 ``ivf`` and ``ivfpq`` for large corpora; on GPU faiss when ``faiss.get_num_gpus() > 0``.
 
 Hybrid (Gao et al. 2020, Eq. 8): ``s(q, d) = λ_test · s_lex(q, d) + s_emb(q, d)`` over the union of
-the BM25 top ``lex_depth`` and the dense top ``dense_depth``, on the raw scores (``HybridConfig.normalization
-= "none"``, the paper's and the default: CLEAR is trained as the residual of raw BM25) or on each side's scores
-normalised per query (``"tmm"``, ``ckray.fusion.theoretical_min_max``: BM25 / its query maximum, (cos + 1) /
-(its query maximum + 1)), which carries an untrained encoder's λ_test better to another collection. A union member found by only one side
-gets its *exact* missing score: s_emb from its stored vector, s_lex from the Lucene scorer
-(``BM25Searcher.score``); retrievers without a scorer fall back to the smallest score that side
-returned for the query (a lower bound, documented in :func:`hybrid_candidates`). λ_test is chosen by
-grid search on nDCG@10 over training queries (:func:`tune_lambda`), never by hand.
+the BM25 top ``lex_depth`` and the dense top ``dense_depth``, on the raw scores
+(``HybridConfig.normalization = "none"``, the paper's and the default: CLEAR is trained as the residual of
+raw BM25) or on each side's scores normalised per query (``"tmm"``, ``ckray.fusion.theoretical_min_max``:
+BM25 / its query maximum, (cos + 1) / (its query maximum + 1)), which carries an untrained encoder's
+λ_test better to another collection. A union member found by only one side gets its *exact* missing
+score: s_emb from its stored vector, s_lex from the Lucene scorer (``BM25Searcher.score``); retrievers
+without a scorer fall back to the smallest score that side returned for the query (a lower bound,
+documented in :func:`hybrid_candidates`). λ_test is chosen by grid search on nDCG@10 over training
+queries (:func:`tune_lambda`), never by hand.
 """
 
 from __future__ import annotations
@@ -796,8 +797,9 @@ def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike |
     else:
         config = load_hybrid_config(workdir)
         if normalization not in (None, config.normalization) and lam is None:
-            raise ConfigError(f"λ_test {config.lam} in {path} applies to {config.normalization!r}-normalised scores, "
-                              f"not {normalization!r}: pass --lambda with --hybrid-normalization")
+            raise ConfigError(f"λ_test {config.lam} in {path} was tuned for hybrid normalization "
+                              f"{config.normalization!r}, not {normalization!r}: pass --lambda with "
+                              f"--hybrid-normalization")
         if lam is not None:
             config.lam, config.normalization, config.source = lam, normalization or config.normalization, "flag"
     return HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint, **options), config)
