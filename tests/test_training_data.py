@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +19,7 @@ from ckray.data.examples import (POSITION, TITLE_QUERY_PREFIX, TRIPLE_COLUMNS, T
                                  build_training_data, is_dev_query, negatives_path, positives_path, read_negatives)
 from ckray.data.sample import sample_workdir as make_sample_workdir
 from ckray.data.shards import DocStore
+from ckray.errors import ConfigError
 
 # the default TrainingDataConfig's triples on SciFact (seed 0, split train), recorded from the one-process
 # sampling that built every triple in the driver: sha256 of the rows as JSON lists in TRIPLE_COLUMNS order,
@@ -130,6 +132,33 @@ def test_mined_hard_negatives_weak_titles_and_a_limit_follow_the_rule(sample, tm
     text_bytes = sum(len(r["pos_text"]) + len(r["neg_text"]) for r in want)
     assert td.plan.specs.nbytes < text_bytes / 4, (td.plan.specs.nbytes, text_bytes)
     assert not {"pos_text", "neg_text"} & set(td.plan.specs.column_names)
+
+
+def test_query_max_scale_divides_each_querys_bm25_scores_by_its_top_one(sample):
+    """``bm25_scale="query-max"``: the same triples and dev candidates, each BM25 score divided by its query's
+    top BM25 score (the run's rank 1, or a judged document scored higher outside it)."""
+    data, w, c = sample
+    raw_cfg = TrainingDataConfig(dev_fraction=0.25, negatives_per_positive=3, weak_titles=5, weak_depth=20)
+    raw_td = build_training_data(w, c.queries, c.qrels["train"], raw_cfg)
+    scaled_td = build_training_data(w, c.queries, c.qrels["train"], replace(raw_cfg, bm25_scale="query-max"))
+    raw, scaled = streamed(raw_td.triples), streamed(scaled_td.triples)
+    top = {}
+    for split in ("train", "weak-titles"):
+        for r in pq.read_table(negatives_path(w, split)).to_pylist() + pq.read_table(positives_path(w, split)).to_pylist():
+            top[r["query_id"]] = max(top.get(r["query_id"], 0.0), r["score"])
+    assert len(raw) == len(scaled) > 100 and any(r["query_id"].startswith(TITLE_QUERY_PREFIX) for r in raw)
+    for r, s in zip(raw, scaled):
+        assert {k: s[k] for k in TRIPLE_COLUMNS if "bm25" not in k} == {k: r[k] for k in TRIPLE_COLUMNS if "bm25" not in k}
+        for side in ("pos_bm25", "neg_bm25"):
+            assert s[side] == pytest.approx(r[side] / top[r["query_id"]], rel=1e-6), (r["query_id"], side)
+    assert max(s["neg_bm25"] for s in scaled) <= 1 + 1e-6 and min(s["neg_bm25"] for s in scaled) < 0.9
+    assert raw_td.dev.queries == scaled_td.dev.queries and scaled_td.dev.queries
+    for q, docs in scaled_td.dev.candidates.items():
+        raw_docs = raw_td.dev.candidates[q]
+        assert [d for d, _ in docs] == [d for d, _ in raw_docs] and docs[0][1] == pytest.approx(1.0)
+        assert [s for _, s in docs] == pytest.approx([s / raw_docs[0][1] for _, s in raw_docs])
+    with pytest.raises(ConfigError, match="bm25_scale"):
+        TrainingDataConfig(bm25_scale="max")
 
 
 def test_missing_negatives_and_a_malformed_mined_run_are_clear_errors(sample, tmp_path):

@@ -59,6 +59,7 @@ NEGATIVES_ORDER = "query_id"       # in the negatives' marker: rows sorted by qu
 BLOCK_QUERIES = 256                # training queries per Ray Data task, at least ...
 MAX_BLOCKS = 256                   # ... and at most this many tasks (the sort's all-to-all grows as its square)
 SUPERVISED, WEAK = "supervised", "weak"
+BM25_SCALES = ("raw", "query-max")   # the BM25 scores triples and dev candidates carry (TrainingDataConfig.bm25_scale)
 
 
 @dataclass
@@ -272,6 +273,10 @@ class TrainingDataConfig:
     hard_negatives_per_positive: int = option(4, "of --negatives-per-positive, this many from the run's top "
                                                  "--hard-negative-depth")
     hard_negative_depth: int = option(100, "hard negatives from the run's top-N")
+    bm25_scale: str = option("raw", "the BM25 scores of the triples and dev candidates, which CLEAR's margin and "
+                                    "validation read: raw (the paper's) or query-max (each divided by the query's "
+                                    "top BM25 score, the lexical side of --hybrid-normalization tmm; --lambda-train "
+                                    "is then in those units)", choices=BM25_SCALES)
 
     def __post_init__(self) -> None:
         checks = [("dev_fraction", 0 <= self.dev_fraction <= 1, "in [0, 1]"),
@@ -286,7 +291,8 @@ class TrainingDataConfig:
                    self.hard_negatives_per_positive >= 0 and (
                        not self.hard_negative_run or self.hard_negatives_per_positive <= self.negatives_per_positive),
                    f"in [0, --negatives-per-positive = {self.negatives_per_positive}]"),
-                  ("hard_negative_depth", self.hard_negative_depth >= 1, ">= 1")]
+                  ("hard_negative_depth", self.hard_negative_depth >= 1, ">= 1"),
+                  ("bm25_scale", self.bm25_scale in BM25_SCALES, f"one of {', '.join(BM25_SCALES)}")]
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError.invalid("TrainingDataConfig", name, f"must be {rule}, got {getattr(self, name)!r}")
@@ -441,6 +447,8 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
 
     run = read_negatives(workdir, config.split, dev_q, config.dev_depth)
     candidates = {q: run.get(q, []) for q in dev_q}
+    if config.bm25_scale == "query-max":
+        candidates = {q: [(d, s / query_top_score(c)) for d, s in c] for q, c in candidates.items()}
     texts = {d: store.text(d) for docs in candidates.values() for d, _ in docs}
     dev = DevSet(queries={q: queries[q] for q in dev_q}, candidates=candidates, doc_text=texts,
                  qrels={q: qrels[q] for q in dev_q}, meta={"depth": config.dev_depth})
@@ -544,6 +552,10 @@ def _query_pools(spec: dict, workdir: str, config: TrainingDataConfig, hard_dir:
     hard_run = (_read_hard_block(hard_dir, spec["block"], config.hard_negative_depth)
                 if hard_dir and spec["kind"] == SUPERVISED else {})
     for q, text, judged, scores in zip(spec["qids"], spec["texts"], spec["positives"], spec["pos_scores"]):
+        if config.bm25_scale == "query-max":
+            top = query_top_score(run.get(q, []), scores)
+            run[q] = [(d, s / top) for d, s in run.get(q, [])]
+            scores = [s / top for s in scores]
         if spec["kind"] == WEAK:
             source = judged[0]
             pool = [(d, s) for d, s in run.get(q, []) if d != source and store.get(d)[1].strip()]
@@ -555,6 +567,14 @@ def _query_pools(spec: dict, workdir: str, config: TrainingDataConfig, hard_dir:
         bm25_of = dict(pool)
         hard = list({d: bm25_of[d] for d in hard_run.get(q, []) if d in bm25_of}.items())
         yield q, text, positives, pool, hard
+
+
+def query_top_score(run: list[tuple[str, float]], more: list[float] = ()) -> float:
+    """The query's top BM25 score (its run is by rank; ``more``: scores of judged documents outside it), the
+    divisor of ``bm25_scale="query-max"``: the lexical side of tmm (``ckray.fusion.theoretical_min_max``,
+    BM25's theoretical minimum being 0). 1 where there is no positive score, so nothing is divided by 0."""
+    top = max([s for _, s in run[:1]] + list(more), default=0.0)
+    return top if top > 0 else 1.0
 
 
 def _block_triples(batch: pa.Table, workdir: str, config: TrainingDataConfig, hard_dir: str | None,
