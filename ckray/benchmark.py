@@ -57,8 +57,8 @@ class BenchmarkConfig:
     index_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float | None = option(None, "CLEAR's λ_test instead of the carried one", flag="--lambda")
     hybrid_normalization: str | None = option(None, "scores CLEAR's λ_test is tuned on and applies to (default: "
-                                                    "the dense index job's, none; a carried λ of another one needs "
-                                                    "--lambda)",
+                                                    "the dense index job's: what the checkpoint was trained for; a "
+                                                    "carried λ of another one needs --lambda)",
                                               choices=HYBRID_NORMALIZATIONS)
     fusion_weight: float | None = option(None, "w of every first+reranker instead of the carried one")
     weight_rule: str = option(DEFAULT_WEIGHT_RULE, "how w is chosen on the training collection's dev queries "

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from ckray.data.examples import TrainingData, TrainingDataConfig, build_training_data
 from ckray.errors import ConfigError
+from ckray.models.checkpoint import TRAIN_SUMMARY_FILE
 from ckray.options import add_options, options_from_args
 from ckray.training import RankerTask, TrainConfig, TrainResult, add_train_args, config_from_args, fit
 from ckray.workdir import WorkDir
@@ -84,7 +85,7 @@ def run_training(task: RankerTask, args: argparse.Namespace, config: TrainConfig
     td = td or training_data(args)
     out = Path(config.output_dir)
     name = out.name   # the checkpoint's name (W/checkpoints/<name>)
-    summary_path = out / "train_summary.json"
+    summary_path = out / TRAIN_SUMMARY_FILE
     previous = summary_path.read_bytes() if summary_path.exists() else None  # fit replaces the directory
     if td.num_triples < config.workers * config.batch_size:  # the streamed triples are counted, not read, here
         raise ConfigError(f"{td.num_triples} training triples are fewer than workers x batch_size "

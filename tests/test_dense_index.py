@@ -406,6 +406,30 @@ def test_lambda_saved_with_the_checkpoint_is_carried_to_a_collection_without_tra
     deploy_path(tiny_checkpoint).unlink()
 
 
+def test_the_hybrid_defaults_to_the_normalization_the_checkpoint_was_trained_for(tiny_checkpoint, tmp_path):
+    """A CLEAR trained with --bm25-scale query-max (its margin in units of the query's top BM25 score) is served
+    on tmm scores unless a flag says otherwise; one trained on raw BM25, or never trained, on the raw Eq. 8."""
+    import dataclasses
+    import json
+    import shutil
+
+    from ckray.data.examples import TrainingDataConfig
+    from ckray.errors import MissingArtifactError
+    from ckray.models.checkpoint import TRAIN_SUMMARY_FILE
+    from ckray.rankers.clear.dense import trained_normalization
+
+    assert trained_normalization(tiny_checkpoint) == trained_normalization(None) == "none"   # never trained here
+    for scale, want in (("query-max", "tmm"), ("raw", "none")):
+        ckpt = tmp_path / scale
+        shutil.copytree(tiny_checkpoint, ckpt)
+        (ckpt / TRAIN_SUMMARY_FILE).write_text(json.dumps(
+            {"name": "clear", "data_config": dataclasses.asdict(TrainingDataConfig(bm25_scale=scale))}))
+        assert trained_normalization(ckpt) == want
+    (tmp_path / "raw" / TRAIN_SUMMARY_FILE).write_text("{not json")
+    with pytest.raises(MissingArtifactError, match=rf"{tmp_path / 'raw' / TRAIN_SUMMARY_FILE}: not a training summary"):
+        trained_normalization(tmp_path / "raw")
+
+
 def test_doc_id_map_finds_rows_refuses_unknown_ids_and_names_a_duplicate():
     import pyarrow as pa
 

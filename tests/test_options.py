@@ -85,6 +85,21 @@ def test_every_training_job_flag_is_a_field_of_one_config(model):
     assert len(set(declared)) == len(declared)
 
 
+def test_clears_lambda_train_defaults_to_the_units_of_the_bm25_scale():
+    from ckray.rankers.clear.options import CLEAROptions
+    from ckray.stages import stage_parser
+    from ckray.train_job import training_data_config
+
+    p = stage_parser("train:clear")
+    base = ["--data", "D", "--workdir", "W"]
+    for extra, want in (([], 0.05), (["--bm25-scale", "query-max"], 0.5),
+                        (["--bm25-scale", "query-max", "--lambda-train", "0.3"], 0.3)):
+        args = p.parse_args(base + extra)
+        assert options_from_args(CLEAROptions, args).lambda_train_for(training_data_config(args).bm25_scale) == want
+    with pytest.raises(SystemExit):   # argparse names the choices
+        p.parse_args(base + ["--bm25-scale", "max"])
+
+
 def test_the_main_jobs_flags_are_the_fields_of_its_config():
     from ckray.full_pipeline import FullPipelineConfig
 

@@ -32,6 +32,7 @@ from ckray.errors import MissingArtifactError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+TRAIN_SUMMARY_FILE = "train_summary.json"   # what the training job writes beside a trained checkpoint
 
 
 def class_path(obj: Any) -> str:
@@ -106,6 +107,18 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict:
         raise MissingArtifactError(
             f"no checkpoint at {path}: {CONFIG_FILE} is missing (train one with jobs/train_*.py)")
     return json.loads(cfg.read_text())
+
+
+def read_training_data_config(path: str | os.PathLike) -> dict:
+    """The training-data settings a checkpoint was trained with (``train_summary.json``'s ``data_config``);
+    empty for a checkpoint saved without training (an untrained encoder) or written before the summary."""
+    summary = Path(path) / TRAIN_SUMMARY_FILE
+    if not summary.exists():
+        return {}
+    try:
+        return dict(json.loads(summary.read_text()).get("data_config") or {})
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise MissingArtifactError(f"{summary}: not a training summary ({e}); re-train or remove it") from e
 
 
 def checkpoint_digest(path: str | os.PathLike) -> str:

@@ -721,6 +721,18 @@ def tune_hybrid(workdir: str | os.PathLike, queries: Mapping[str, str], qrels: M
     return hybrid.config
 
 
+def trained_normalization(checkpoint: str | os.PathLike | None) -> str:
+    """The hybrid normalization a CLEAR checkpoint is trained for: ``tmm`` when its margin saw BM25 divided by the
+    query's top score (``--bm25-scale query-max``, tmm's lexical side), else the raw Eq. 8 (``none``; also for a
+    checkpoint that was never trained here)."""
+    from ckray.models.checkpoint import read_training_data_config
+
+    if checkpoint is None:
+        return DEFAULT_HYBRID_NORMALIZATION
+    scale = read_training_data_config(checkpoint).get("bm25_scale")
+    return "tmm" if scale == "query-max" else DEFAULT_HYBRID_NORMALIZATION
+
+
 def carry_hybrid(workdir: str | os.PathLike, checkpoint: str | os.PathLike) -> HybridConfig | None:
     """For a collection with no training queries: λ_test saved with ``checkpoint`` (``ckray.deploy``)
     written to ``W/dense/hybrid.json`` with its ``source``; None (nothing written) when none was saved."""
@@ -793,13 +805,15 @@ def hybrid_retriever(workdir: str | os.PathLike, checkpoint: str | os.PathLike |
         check_hybrid_normalization("hybrid_retriever", normalization)
     path = dense_root(workdir) / HYBRID_FILE
     if lam is not None and not path.exists():
-        config = HybridConfig(lam=lam, normalization=normalization or DEFAULT_HYBRID_NORMALIZATION, source="flag")
-    else:
-        config = load_hybrid_config(workdir)
-        if normalization not in (None, config.normalization) and lam is None:
-            raise ConfigError(f"λ_test {config.lam} in {path} was tuned for hybrid normalization "
-                              f"{config.normalization!r}, not {normalization!r}: pass --lambda with "
-                              f"--hybrid-normalization")
-        if lam is not None:
-            config.lam, config.normalization, config.source = lam, normalization or config.normalization, "flag"
+        dense = dense_retriever(workdir, checkpoint, **options)
+        config = HybridConfig(lam=lam, normalization=normalization or trained_normalization(dense.checkpoint),
+                              source="flag")
+        return HybridRetriever(bm25_retriever(workdir), dense, config)
+    config = load_hybrid_config(workdir)
+    if normalization not in (None, config.normalization) and lam is None:
+        raise ConfigError(f"λ_test {config.lam} in {path} was tuned for hybrid normalization "
+                          f"{config.normalization!r}, not {normalization!r}: pass --lambda with "
+                          f"--hybrid-normalization")
+    if lam is not None:
+        config.lam, config.normalization, config.source = lam, normalization or config.normalization, "flag"
     return HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir, checkpoint, **options), config)

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckray.fusion import DEFAULT_HYBRID_NORMALIZATION, HYBRID_NORMALIZATIONS
+from ckray.fusion import HYBRID_NORMALIZATIONS
 from ckray.models import DEFAULT_ENCODER
 from ckray.options import option
+
+
+# λ_train by the BM25 scale of the triples (TrainingDataConfig.bm25_scale), each near the λ_test that BM25 + the
+# untrained MiniLM gets on SciFact's dev queries in those units (raw: 0.050; query-max: tmm's 0.316 on cosines
+# that tmm divides by 1 + the query's best, about 1.6), so the margin asks for the residual the hybrid serves
+LAMBDA_TRAIN_DEFAULTS = {"raw": 0.05, "query-max": 0.5}
 
 
 @dataclass(frozen=True)
@@ -15,10 +21,16 @@ class CLEAROptions:
     encoder: str = option(DEFAULT_ENCODER, "Hugging Face id or directory of a BERT encoder")
     doc_max_len: int = option(256, "document word pieces the encoder reads")
     xi: float = option(0.2, "ξ, the margin before the lexical residual")
-    lambda_train: float = option(0.05, "λ_train, weight of the BM25 gap in the margin")
+    lambda_train: float | None = option(None, "λ_train, weight of the BM25 gap in the margin, in --bm25-scale's "
+                                              "units (default: 0.05 on raw scores, 0.5 on query-max ones)")
     constant_margin: bool = option(False, "ablation: m = ξ (no lexical residual)")
     name: str | None = option(None, "checkpoint name under W/checkpoints (default: clear; clear-constant with "
                                     "--constant-margin)")
+
+    def lambda_train_for(self, bm25_scale: str) -> float:
+        """λ_train on BM25 scores at ``bm25_scale``: the flag's, else that scale's default
+        (:data:`LAMBDA_TRAIN_DEFAULTS`)."""
+        return LAMBDA_TRAIN_DEFAULTS[bm25_scale] if self.lambda_train is None else self.lambda_train
 
     @property
     def checkpoint_name(self) -> str:
@@ -38,8 +50,9 @@ class DenseIndexOptions:
     tune_queries: str = option("held-out", "tune λ_test on the held-out dev queries of --tune-split (those CLEAR did "
                                            "not train on) or on all of them (fine for an untrained encoder)",
                                choices=("held-out", "all"))
-    hybrid_normalization: str = option(DEFAULT_HYBRID_NORMALIZATION, "scores λ_test is tuned on: none (the paper's "
-                                       "raw Eq. 8, what CLEAR is trained for) or tmm (each side normalised per query "
-                                       "by its theoretical minimum and the query's maximum: carries an untrained "
-                                       "encoder's λ better)",
-                                       choices=HYBRID_NORMALIZATIONS)
+    hybrid_normalization: str | None = option(None, "scores λ_test is tuned on: none (the paper's raw Eq. 8) or "
+                                              "tmm (each side normalised per query by its theoretical minimum and "
+                                              "the query's maximum: carries an untrained encoder's λ better) "
+                                              "(default: what the checkpoint was trained for, tmm after "
+                                              "--bm25-scale query-max, else none)",
+                                              choices=HYBRID_NORMALIZATIONS)

@@ -17,11 +17,12 @@ def train(options: CLEAROptions, args: argparse.Namespace):
     training data and loop from ``args`` (a training job's flags)."""
     from ckray.rankers.clear.model import CLEARConfig, CLEARLossConfig
     from ckray.rankers.clear.task import CLEARTask
-    from ckray.train_job import run_training, training_config
+    from ckray.train_job import run_training, training_config, training_data_config
 
     o, name = options, options.checkpoint_name
+    lambda_train = o.lambda_train_for(training_data_config(args).bm25_scale)
     task = CLEARTask(model_config=CLEARConfig(encoder=o.encoder, doc_max_len=o.doc_max_len),
-                     loss_config=CLEARLossConfig(xi=o.xi, lambda_train=o.lambda_train,
+                     loss_config=CLEARLossConfig(xi=o.xi, lambda_train=lambda_train,
                                                  constant_margin=o.constant_margin), name=name)
     return run_training(task, args, training_config(args, name, **SPEC.training.defaults))
 
@@ -36,9 +37,8 @@ def build_index(args: argparse.Namespace) -> dict:
     the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
     ``lambda`` (without such a split: the λ saved with the checkpoint, ``ckray.deploy``; None when none)."""
     from ckray.data.collections import read_queries_and_qrels
-    from ckray.fusion import DEFAULT_HYBRID_NORMALIZATION
     from ckray.rankers.clear.dense import (EmbedConfig, HybridConfig, IndexConfig, build_dense_index, carry_hybrid,
-                                           default_checkpoint, tune_hybrid)
+                                           default_checkpoint, trained_normalization, tune_hybrid)
     from ckray.ray_env import init_ray
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
@@ -59,7 +59,7 @@ def build_index(args: argparse.Namespace) -> dict:
         else:
             split_q = {q: queries[q] for q in qrels[args.tune_split] if q in queries}
             tune_qrels = qrels[args.tune_split]
-        normalization = getattr(args, "hybrid_normalization", None) or DEFAULT_HYBRID_NORMALIZATION
+        normalization = getattr(args, "hybrid_normalization", None) or trained_normalization(checkpoint)
         config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint, HybridConfig(normalization=normalization))
         summary.update({"lambda": config.lam, "normalization": config.normalization, "tune_queries": len(split_q),
                         "tune_split": args.tune_split})
