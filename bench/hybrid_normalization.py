@@ -1,16 +1,21 @@
 """CLEAR's hybrid on raw and on normalised scores: λ_test tuned on one collection, carried to others.
 
     python bench/hybrid_normalization.py --data DIR --workdir W [--data OTHER --workdir V ...] [--split test]
+        [--baseline-workdir W0 --baseline-workdir V0 ...]
 
 Each ``--workdir`` holds BM25 (``jobs/prepare.py``) and a dense index of one CLEAR checkpoint
 (``jobs/build_dense_index.py``, or ``jobs/benchmark.py``'s per-collection work directory); the pairs
-are taken in order. The first collection must have training queries: for each normalization of
-``ckray.fusion.linear_fusion`` (``none``, the paper's Eq. 8 on raw scores; ``tmm``, each side
-normalised per query by its theoretical minimum and the query's maximum) λ_test is tuned on its
-held-out dev queries (``ckray.rankers.clear.dense.tune_lambda``, as ``jobs/build_dense_index.py``
-does), then that λ is applied, unchanged, to ``--split`` of every collection (reported, never chosen
-on). The candidates (BM25's top 1000 ∪ the dense top 100, exact scores) are made once per collection;
-only the fusion differs between rows. Prints the table and ends with one JSON line.
+are taken in order. ``--baseline-workdir`` (optional, one per ``--data``) holds another checkpoint's index
+of the same collections, whose rows come first. The first collection must have training queries: for
+each model and each normalization of ``ckray.fusion.linear_fusion`` (``none``, the paper's Eq. 8 on raw
+scores; ``tmm``, each side normalised per query by its theoretical minimum and the query's maximum)
+λ_test is tuned on its held-out dev queries (``ckray.rankers.clear.dense.tune_lambda``, as
+``jobs/build_dense_index.py`` does), then that λ is applied, unchanged, to ``--split`` of every
+collection (reported, never chosen on). The candidates (BM25's top 1000 ∪ the dense top 100, exact
+scores) are made once per model and collection; only the fusion differs between a model's rows. Each
+figure after the first row comes with its paired difference from the first row over the same queries
+and that difference's standard error (``ckray.eval.paired_difference``). Prints the table and ends with
+one JSON line.
 """
 
 from __future__ import annotations
@@ -28,50 +33,71 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", action="append", required=True, help="collection (repeatable; the first tunes λ)")
     p.add_argument("--workdir", action="append", required=True, help="its work directory (one per --data)")
+    p.add_argument("--baseline-workdir", action="append", default=[],
+                   help="another checkpoint's work directory of the same collection (one per --data; optional)")
     p.add_argument("--split", default="test", help="split reported in every collection")
     args = p.parse_args()
-    if len(args.data) != len(args.workdir):
-        p.error(f"{len(args.data)} --data but {len(args.workdir)} --workdir: give one work directory per collection")
+    models = {"model": args.workdir}
+    if args.baseline_workdir:
+        models = {"baseline": args.baseline_workdir, **models}
+    for name, workdirs in models.items():
+        if len(args.data) != len(workdirs):
+            p.error(f"{len(args.data)} --data but {len(workdirs)} {name} work directories: give one per collection")
 
-    from ckray.eval import evaluate
+    from ckray.eval import paired_difference, per_query
     from ckray.fusion import HYBRID_NORMALIZATIONS, linear_fusion, measurement_splits
     from ckray.lexical.bm25 import bm25_retriever
     from ckray.rankers.clear.dense import HybridConfig, HybridRetriever, dense_retriever, tune_lambda
     from ckray.ray_env import init_ray
 
     init_ray()  # before the JVM (ckray.lexical.jvm)
-    columns: dict[str, tuple[dict, dict]] = {}     # column → (candidates, qrels)
-    for i, (data, workdir) in enumerate(zip(args.data, args.workdir)):
-        splits = measurement_splits(data, args.split)
-        if i == 0 and "dev" not in splits:
-            raise SystemExit(f"{data} has no training queries: the first --data must have them (λ is tuned there)")
-        hybrid = HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir), HybridConfig(normalization="none"))
-        name = Path(data).name
-        for split, (queries, qrels) in splits.items():
-            if i == 0 or split != "dev":
-                columns[f"{name} {split}"] = (hybrid.candidates(queries), qrels)
-                print(f"{name} {split}: {len(queries)} queries", flush=True)
+    splits = [measurement_splits(data, args.split) for data in args.data]
+    if "dev" not in splits[0]:
+        raise SystemExit(f"{args.data[0]} has no training queries: the first --data must have them (λ is tuned there)")
+    columns = [(f"{Path(data).name} {split}", split) for i, data in enumerate(args.data)
+               for split in splits[i] if i == 0 or split != "dev"]
+    dev = columns[0][0]
 
-    dev = next(iter(columns))
-    rows = []
-    for normalization in HYBRID_NORMALIZATIONS:
-        cands, qrels = columns[dev]
-        lam, table = tune_lambda(cands, qrels, normalization=normalization)
-        row = {"normalization": normalization, "lambda": lam}
-        for column, (cands, qrels) in columns.items():
-            row[column] = round(evaluate(linear_fusion(cands, lam, 1000, normalization), qrels,
-                                         ("nDCG@10",))["nDCG@10"], 4)
-        carried = [v for c, v in row.items() if c not in ("normalization", "lambda", dev)]
-        row["mean (reported)"] = round(statistics.mean(carried), 4) if carried else None
-        rows.append(row)
-        print(row, flush=True)
+    rows, per_row = [], []       # per_row: each row's per-query nDCG@10 by column
+    for model, workdirs in models.items():
+        candidates: dict[str, tuple[dict, dict]] = {}      # column → (candidates, qrels)
+        for i, (data, workdir) in enumerate(zip(args.data, workdirs)):
+            hybrid = HybridRetriever(bm25_retriever(workdir), dense_retriever(workdir),
+                                     HybridConfig(normalization="none"))
+            for split, (queries, qrels) in splits[i].items():
+                if i == 0 or split != "dev":
+                    candidates[f"{Path(data).name} {split}"] = (hybrid.candidates(queries), qrels)
+                    print(f"{model}: {Path(data).name} {split}: {len(queries)} queries", flush=True)
+        for normalization in HYBRID_NORMALIZATIONS:
+            lam, _ = tune_lambda(*candidates[dev], normalization=normalization)
+            row = {"model": model, "normalization": normalization, "lambda": lam}
+            scores = {}
+            for column, _ in columns:
+                cands, qrels = candidates[column]
+                scores[column] = {q: m["nDCG@10"] for q, m in per_query(linear_fusion(cands, lam, 1000, normalization),
+                                                                        qrels, ("nDCG@10",)).items()}
+                row[column] = round(statistics.mean(scores[column].values()), 4)
+            carried = [row[c] for c, _ in columns if c != dev]
+            row["mean (reported)"] = round(statistics.mean(carried), 4) if carried else None
+            if per_row:
+                first = per_row[0]
+                for column, _ in columns:
+                    ids = sorted(first[column])
+                    diff, se = paired_difference([scores[column][q] for q in ids], [first[column][q] for q in ids])
+                    row[f"{column} Δ"] = f"{diff:+.4f} ± {se:.4f}"
+            rows.append(row)
+            per_row.append(scores)
+            print(row, flush=True)
 
-    names = [c for c in rows[0] if c not in ("normalization",)]
-    print("\n| normalization | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    names = [c for c, _ in columns] + ["mean (reported)"]
+    print("\n| model | normalization | λ | " + " | ".join(names) + " |\n|---|---|---:|" + "---:|" * len(names))
     for r in rows:
-        print(f"| {r['normalization']} | " + " | ".join(f"{r[c]:g}" if r[c] is not None else "–" for c in names) + " |")
+        cells = [f"{r[c]:g}" + (f" ({r[c + ' Δ']})" if c + " Δ" in r else "") if r[c] is not None else "–"
+                 for c in names]
+        print(f"| {r['model']} | {r['normalization']} | {r['lambda']:g} | " + " | ".join(cells) + " |")
     print(json.dumps({"bench": "hybrid_normalization", "data": args.data, "workdirs": args.workdir,
-                      "split": args.split, "tuned_on": dev, "rows": rows}))
+                      "baseline_workdirs": args.baseline_workdir, "split": args.split, "tuned_on": dev,
+                      "rows": rows}))
 
 
 if __name__ == "__main__":
