@@ -32,7 +32,7 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -448,7 +448,7 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     run = read_negatives(workdir, config.split, dev_q, config.dev_depth)
     candidates = {q: run.get(q, []) for q in dev_q}
     if config.bm25_scale == "query-max":
-        candidates = {q: [(d, s / query_top_score(c)) for d, s in c] for q, c in candidates.items()}
+        candidates = {q: divided_by_query_top(c)[0] for q, c in candidates.items()}
     texts = {d: store.text(d) for docs in candidates.values() for d, _ in docs}
     dev = DevSet(queries={q: queries[q] for q in dev_q}, candidates=candidates, doc_text=texts,
                  qrels={q: qrels[q] for q in dev_q}, meta={"depth": config.dev_depth})
@@ -553,9 +553,7 @@ def _query_pools(spec: dict, workdir: str, config: TrainingDataConfig, hard_dir:
                 if hard_dir and spec["kind"] == SUPERVISED else {})
     for q, text, judged, scores in zip(spec["qids"], spec["texts"], spec["positives"], spec["pos_scores"]):
         if config.bm25_scale == "query-max":
-            top = query_top_score(run.get(q, []), scores)
-            run[q] = [(d, s / top) for d, s in run.get(q, [])]
-            scores = [s / top for s in scores]
+            run[q], scores = divided_by_query_top(run.get(q, []), scores)
         if spec["kind"] == WEAK:
             source = judged[0]
             pool = [(d, s) for d, s in run.get(q, []) if d != source and store.get(d)[1].strip()]
@@ -569,12 +567,15 @@ def _query_pools(spec: dict, workdir: str, config: TrainingDataConfig, hard_dir:
         yield q, text, positives, pool, hard
 
 
-def query_top_score(run: list[tuple[str, float]], more: list[float] = ()) -> float:
-    """The query's top BM25 score (its run is by rank; ``more``: scores of judged documents outside it), the
-    divisor of ``bm25_scale="query-max"``: the lexical side of tmm (``ckray.fusion.theoretical_min_max``,
-    BM25's theoretical minimum being 0). 1 where there is no positive score, so nothing is divided by 0."""
-    top = max([s for _, s in run[:1]] + list(more), default=0.0)
-    return top if top > 0 else 1.0
+def divided_by_query_top(run: list[tuple[str, float]],
+                         judged: Sequence[float] = ()) -> tuple[list[tuple[str, float]], list[float]]:
+    """``bm25_scale="query-max"``: a query's BM25 run (by rank) and the scores of its ``judged`` documents, each
+    divided by the query's top BM25 score (the run's first, or a judged one scored higher outside it): the
+    lexical side of tmm (``ckray.fusion.theoretical_min_max``, BM25's theoretical minimum being 0). Without a
+    positive score nothing is divided."""
+    top = max([s for _, s in run[:1]] + list(judged), default=0.0)
+    top = top if top > 0 else 1.0
+    return [(d, s / top) for d, s in run], [s / top for s in judged]
 
 
 def _block_triples(batch: pa.Table, workdir: str, config: TrainingDataConfig, hard_dir: str | None,
