@@ -54,9 +54,9 @@ def main() -> None:
     splits = [measurement_splits(data, args.split) for data in args.data]
     if "dev" not in splits[0]:
         raise SystemExit(f"{args.data[0]} has no training queries: the first --data must have them (λ is tuned there)")
-    columns = [(f"{Path(data).name} {split}", split) for i, data in enumerate(args.data)
+    columns = [f"{Path(data).name} {split}" for i, data in enumerate(args.data)
                for split in splits[i] if i == 0 or split != "dev"]
-    dev = columns[0][0]
+    dev = columns[0]
 
     rows, per_row = [], []       # per_row: each row's per-query nDCG@10 by column
     for model, workdirs in models.items():
@@ -72,16 +72,16 @@ def main() -> None:
             lam, _ = tune_lambda(*candidates[dev], normalization=normalization)
             row = {"model": model, "normalization": normalization, "lambda": lam}
             scores = {}
-            for column, _ in columns:
+            for column in columns:
                 cands, qrels = candidates[column]
                 scores[column] = {q: m["nDCG@10"] for q, m in per_query(linear_fusion(cands, lam, 1000, normalization),
                                                                         qrels, ("nDCG@10",)).items()}
                 row[column] = round(statistics.mean(scores[column].values()), 4)
-            carried = [row[c] for c, _ in columns if c != dev]
+            carried = [row[c] for c in columns if c != dev]
             row["mean (reported)"] = round(statistics.mean(carried), 4) if carried else None
             if per_row:
                 first = per_row[0]
-                for column, _ in columns:
+                for column in columns:
                     ids = sorted(first[column])
                     diff, se = paired_difference([scores[column][q] for q in ids], [first[column][q] for q in ids])
                     row[f"{column} Δ"] = f"{diff:+.4f} ± {se:.4f}"
@@ -89,7 +89,7 @@ def main() -> None:
             per_row.append(scores)
             print(row, flush=True)
 
-    names = [c for c, _ in columns] + ["mean (reported)"]
+    names = columns + ["mean (reported)"]
     print("\n| model | normalization | λ | " + " | ".join(names) + " |\n|---|---|---:|" + "---:|" * len(names))
     for r in rows:
         cells = [f"{r[c]:g}" + (f" ({r[c + ' Δ']})" if c + " Δ" in r else "") if r[c] is not None else "–"
