@@ -33,7 +33,8 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
   sides lie in [0, 1] with the query's best document at 1. ``"none"`` stays the default: a trained
   CLEAR's dense score is the residual of *raw* BM25 (its margin subtracts ``λ_train · Δs_lex``), and
   measured on SciFact and CACM it ranks better on raw scores; ``"tmm"`` helps an untrained encoder's
-  hybrid (docs/transfer.md).
+  hybrid, and serves a CLEAR trained on normalised BM25 (``--bm25-scale query-max``,
+  ``ckray.rankers.clear.dense.trained_normalization``) (docs/transfer.md).
 
 Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`, by one of
 two rules:
@@ -144,7 +145,7 @@ def interpolate(first: Run, reranked: Run, depth: int, weight: float) -> Run:
 
 
 HYBRID_NORMALIZATIONS = ("none", "tmm")
-DEFAULT_HYBRID_NORMALIZATION = "none"   # CLEAR is trained against raw BM25 (its margin's λ_train · Δs_lex)
+DEFAULT_HYBRID_NORMALIZATION = "none"   # CLEAR is trained against raw BM25 unless --bm25-scale says otherwise
 THEORETICAL_MINIMA = (0.0, -1.0)        # BM25 ≥ 0; a cosine ≥ −1
 
 

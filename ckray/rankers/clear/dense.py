@@ -25,7 +25,8 @@ the BM25 top ``lex_depth`` and the dense top ``dense_depth``, on the raw scores
 (``HybridConfig.normalization = "none"``, the paper's and the default: CLEAR is trained as the residual of
 raw BM25) or on each side's scores normalised per query (``"tmm"``, ``ckray.fusion.theoretical_min_max``:
 BM25 / its query maximum, (cos + 1) / (its query maximum + 1)), which carries an untrained encoder's
-λ_test better to another collection. A union member found by only one side gets its *exact* missing
+λ_test better to another collection and is what a CLEAR trained on normalised BM25 is served on
+(:func:`trained_normalization`). A union member found by only one side gets its *exact* missing
 score: s_emb from its stored vector, s_lex from the Lucene scorer (``BM25Searcher.score``); retrievers
 without a scorer fall back to the smallest score that side returned for the query (a lower bound,
 documented in :func:`hybrid_candidates`). λ_test is chosen by grid search on nDCG@10 over training
