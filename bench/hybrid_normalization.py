@@ -14,8 +14,10 @@ scores; ``tmm``, each side normalised per query by its theoretical minimum and t
 collection (reported, never chosen on). The candidates (BM25's top 1000 ∪ the dense top 100, exact
 scores) are made once per model and collection; only the fusion differs between a model's rows. Each
 figure after the first row comes with its paired difference from the first row over the same queries
-and that difference's standard error (``ckray.eval.paired_difference``). Prints the table and ends with
-one JSON line.
+and that difference's standard error (``ckray.eval.paired_difference``). ``--lambda-rule`` (repeatable)
+chooses λ_test on dev by each rule of ``ckray.fusion.grid_search`` (``best``: the argmax; ``one-se``: the
+largest λ within one standard error of it); a row of a later rule also shows its paired difference from the
+first rule's row of the same model and normalization. Prints the table and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ckray.fusion import WEIGHT_RULES  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,7 +40,10 @@ def main() -> None:
     p.add_argument("--baseline-workdir", action="append", default=[],
                    help="another checkpoint's work directory of the same collection (one per --data; optional)")
     p.add_argument("--split", default="test", help="split reported in every collection")
+    p.add_argument("--lambda-rule", action="append", choices=WEIGHT_RULES, default=None,
+                   help="rule choosing λ_test on dev (repeatable; default: best): ckray.fusion.grid_search")
     args = p.parse_args()
+    rules = args.lambda_rule or ["best"]
     models = {"model": args.workdir}
     if args.baseline_workdir:
         models = {"baseline": args.baseline_workdir, **models}
@@ -59,6 +66,7 @@ def main() -> None:
     dev = columns[0]
 
     rows, per_row = [], []       # per_row: each row's per-query nDCG@10 by column
+    first_rule: dict[tuple[str, str], dict] = {}   # (model, normalization) → the first rule's per-query scores
     for model, workdirs in models.items():
         candidates: dict[str, tuple[dict, dict]] = {}      # column → (candidates, qrels)
         for i, (data, workdir) in enumerate(zip(args.data, workdirs)):
@@ -68,9 +76,9 @@ def main() -> None:
                 if i == 0 or split != "dev":
                     candidates[f"{Path(data).name} {split}"] = (hybrid.candidates(queries), qrels)
                     print(f"{model}: {Path(data).name} {split}: {len(queries)} queries", flush=True)
-        for normalization in HYBRID_NORMALIZATIONS:
-            lam, _ = tune_lambda(*candidates[dev], normalization=normalization)
-            row = {"model": model, "normalization": normalization, "lambda": lam}
+        for normalization, rule in [(n, r) for n in HYBRID_NORMALIZATIONS for r in rules]:
+            lam, _ = tune_lambda(*candidates[dev], normalization=normalization, rule=rule)
+            row = {"model": model, "normalization": normalization, "rule": rule, "lambda": lam}
             scores = {}
             for column in columns:
                 cands, qrels = candidates[column]
@@ -79,22 +87,26 @@ def main() -> None:
                 row[column] = round(statistics.mean(scores[column].values()), 4)
             carried = [row[c] for c in columns if c != dev]
             row["mean (reported)"] = round(statistics.mean(carried), 4) if carried else None
-            if per_row:
-                first = per_row[0]
+            references = {" Δ": per_row[0] if per_row else None,
+                          f" Δ {rules[0]}": first_rule.setdefault((model, normalization), scores)}
+            for suffix, reference in references.items():
+                if reference is None or reference is scores or (suffix != " Δ" and per_row and reference is per_row[0]):
+                    continue   # no reference, itself, or the first row's difference again
                 for column in columns:
-                    ids = sorted(first[column])
-                    diff, se = paired_difference([scores[column][q] for q in ids], [first[column][q] for q in ids])
-                    row[f"{column} Δ"] = f"{diff:+.4f} ± {se:.4f}"
+                    ids = sorted(reference[column])
+                    diff, se = paired_difference([scores[column][q] for q in ids], [reference[column][q] for q in ids])
+                    row[f"{column}{suffix}"] = f"{diff:+.4f} ± {se:.4f}"
             rows.append(row)
             per_row.append(scores)
             print(row, flush=True)
 
     names = columns + ["mean (reported)"]
-    print("\n| model | normalization | λ | " + " | ".join(names) + " |\n|---|---|---:|" + "---:|" * len(names))
+    print("\n| model | normalization | λ rule | λ | " + " | ".join(names) + " |\n|---|---|---|---:|" + "---:|" * len(names))
     for r in rows:
-        cells = [f"{r[c]:g}" + (f" ({r[c + ' Δ']})" if c + " Δ" in r else "") if r[c] is not None else "–"
-                 for c in names]
-        print(f"| {r['model']} | {r['normalization']} | {r['lambda']:g} | " + " | ".join(cells) + " |")
+        cells = [f"{r[c]:g}" + "".join(f" ({r[c + s]}{label})" for s, label in
+                                      ((" Δ", ""), (f" Δ {rules[0]}", f" against {rules[0]}")) if c + s in r)
+                 if r[c] is not None else "–" for c in names]
+        print(f"| {r['model']} | {r['normalization']} | {r['rule']} | {r['lambda']:g} | " + " | ".join(cells) + " |")
     print(json.dumps({"bench": "hybrid_normalization", "data": args.data, "workdirs": args.workdir,
                       "baseline_workdirs": args.baseline_workdir, "split": args.split, "tuned_on": dev,
                       "rows": rows}))

@@ -199,10 +199,10 @@ WEIGHT_RULES = ("best", "one-se")
 DEFAULT_WEIGHT_RULE = "one-se"   # w of first+reranker pipelines (module docstring)
 
 
-def check_weight_rule(config: str, rule: str) -> None:
-    """A ConfigError naming ``config``'s ``weight_rule`` field unless ``rule`` is one of WEIGHT_RULES."""
+def check_weight_rule(config: str, rule: str, field: str = "weight_rule") -> None:
+    """A ConfigError naming ``config``'s ``field`` unless ``rule`` is one of WEIGHT_RULES."""
     if rule not in WEIGHT_RULES:
-        raise ConfigError.invalid(config, "weight_rule", f"must be one of {WEIGHT_RULES}, got {rule!r}")
+        raise ConfigError.invalid(config, field, f"must be one of {WEIGHT_RULES}, got {rule!r}")
 
 
 def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, int]], grid: Sequence[float],

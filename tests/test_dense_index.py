@@ -298,6 +298,10 @@ def test_tune_lambda_finds_the_interval_that_ranks_both_relevant_documents_first
     assert 0.08 < best < 0.16 and table[best] == pytest.approx(1.0)
     assert table[0.0] < 1.0 and table[max(table)] < 1.0
     assert best == min(lam for lam, v in table.items() if v == table[best])   # smallest of the ties
+    # the one-standard-error rule takes the largest λ of the same ties: the most weight on BM25
+    grid = (0.05, 0.1, 0.12, 0.15)
+    assert tune_lambda(hybrid_candidates(LEX, EMB), QRELS, grid)[0] == 0.1
+    assert tune_lambda(hybrid_candidates(LEX, EMB), QRELS, grid, rule="one-se")[0] == 0.15
 
 
 class _FakeLexical:
@@ -396,10 +400,14 @@ def test_lambda_saved_with_the_checkpoint_is_carried_to_a_collection_without_tra
     assert loaded.lam == carried.lam == 0.08 and loaded.source == str(deploy_path(tiny_checkpoint.resolve()))
     assert loaded.normalization == "none"          # a λ saved without the field was tuned on raw scores
     assert HybridRetriever(None, None, loaded).settings == {"lambda": {"value": 0.08, "normalization": "none",
-                                                                       "source": loaded.source}}
-    save_deploy_setting(tiny_checkpoint, "lambda", {"value": 0.4, "normalization": "tmm", "tuned_on": {}})
-    assert (carry_hybrid(tmp_path, tiny_checkpoint).normalization == load_hybrid_config(tmp_path).normalization
-            == "tmm")
+                                                                       "rule": "best", "source": loaded.source}}
+    save_deploy_setting(tiny_checkpoint, "lambda", {"value": 0.4, "normalization": "tmm", "rule": "one-se",
+                                                    "tuned_on": {}})
+    carried = carry_hybrid(tmp_path, tiny_checkpoint)
+    assert (carried.normalization, carried.rule) == (load_hybrid_config(tmp_path).normalization,
+                                                     load_hybrid_config(tmp_path).rule) == ("tmm", "one-se")
+    with pytest.raises(ConfigError, match=r"HybridConfig.rule must be one of \('best', 'one-se'\), got 'median'"):
+        HybridConfig(rule="median")
     # tuned here: the file has no source, as before
     save_hybrid_config(tmp_path, HybridConfig(lam=0.3))
     assert "source" not in json.loads((tmp_path / "dense" / "hybrid.json").read_text())

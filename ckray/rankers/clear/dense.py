@@ -54,8 +54,8 @@ from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, cras
                                    timing_columns, validate_checks)
 from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, Candidates, Run, check_hybrid_normalization, grid_search,
-                          judged_queries, linear_fusion)
+from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, Candidates, Run, check_hybrid_normalization, check_weight_rule,
+                          grid_search, judged_queries, linear_fusion)
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -633,16 +633,17 @@ def _fill(qid: str, ids: list[str], scorer, have: Mapping[str, float]) -> dict[s
 
 def tune_lambda(candidates: Candidates, qrels: Mapping[str, Mapping[str, int]],
                 grid: Sequence[float] = DEFAULT_LAMBDA_GRID, k: int = 1000,
-                normalization: str = "none") -> tuple[float, dict[float, float]]:
-    """Grid search of λ_test maximising nDCG@10 of Eq. 8 (``ckray.fusion.linear_fusion``, ``s = λ ·
+                normalization: str = "none", rule: str = "best") -> tuple[float, dict[float, float]]:
+    """Grid search of λ_test for nDCG@10 of Eq. 8 (``ckray.fusion.linear_fusion``, ``s = λ ·
     s_lex + s_emb`` on the scores as ``normalization`` gives them) over the judged queries in
-    ``candidates`` (``ckray.fusion.grid_search``).
+    ``candidates``, chosen by ``rule`` (``ckray.fusion.grid_search``: ``"best"``, ties to the smaller λ;
+    ``"one-se"``, the largest λ within one standard error of the best).
 
-    Returns ``(best λ, {λ: nDCG@10})``; ties go to the smaller λ.
+    Returns ``(chosen λ, {λ: nDCG@10})``.
     """
     judged = judged_queries(qrels, candidates, "tune_lambda")
     cands = {q: candidates[q] for q in judged}
-    return grid_search(lambda lam: linear_fusion(cands, lam, k, normalization), judged, grid, "λ_test")
+    return grid_search(lambda lam: linear_fusion(cands, lam, k, normalization), judged, grid, "λ_test", rule)
 
 
 @dataclass
@@ -653,6 +654,7 @@ class HybridConfig:
 
     lam: float = 0.05
     normalization: str = DEFAULT_HYBRID_NORMALIZATION
+    rule: str = "best"            # how λ was chosen from the dev grid (ckray.fusion.grid_search)
     lex_depth: int = 1000
     dense_depth: int = 100
     exact: bool = True            # fetch missing scores exactly (else: lowest score of that side)
@@ -661,6 +663,7 @@ class HybridConfig:
 
     def __post_init__(self) -> None:
         check_hybrid_normalization("HybridConfig", self.normalization)
+        check_weight_rule("HybridConfig", self.rule, "rule")
 
 
 class HybridRetriever:
@@ -689,7 +692,7 @@ class HybridRetriever:
     def settings(self) -> dict:
         """The deployment setting in use and where it came from (what an evaluation records)."""
         return {"lambda": {"value": self.config.lam, "normalization": self.config.normalization,
-                           "source": self.config.source or "tuned on this collection's training queries"}}
+                           "rule": self.config.rule, "source": self.config.source or "tuned on this collection's training queries"}}
 
     def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
         run = linear_fusion(self.candidates(queries, k), self.config.lam, k, self.config.normalization)
@@ -697,11 +700,13 @@ class HybridRetriever:
 
     def tune(self, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]],
              grid: Sequence[float] = DEFAULT_LAMBDA_GRID) -> tuple[float, dict[float, float]]:
-        """Set λ_test by grid search on nDCG@10 over ``queries`` (training queries, never test)."""
-        best, table = tune_lambda(self.candidates(queries), qrels, grid, normalization=self.config.normalization)
-        self.config.lam = best
-        self.config.tuned = {"queries": len(queries), "ndcg@10": table[best], "grid": {str(k): v for k, v in table.items()}}
-        return best, table
+        """Set λ_test by grid search on nDCG@10 over ``queries`` (training queries, never test), chosen by
+        the config's ``rule``."""
+        chosen, table = tune_lambda(self.candidates(queries), qrels, grid, normalization=self.config.normalization,
+                                    rule=self.config.rule)
+        self.config.lam = chosen
+        self.config.tuned = {"queries": len(queries), "ndcg@10": table[chosen], "grid": {str(k): v for k, v in table.items()}}
+        return chosen, table
 
 
 def tune_hybrid(workdir: str | os.PathLike, queries: Mapping[str, str], qrels: Mapping[str, Mapping[str, int]],
@@ -717,7 +722,8 @@ def tune_hybrid(workdir: str | os.PathLike, queries: Mapping[str, str], qrels: M
     hybrid.tune(queries, qrels, grid)
     save_hybrid_config(workdir, hybrid.config)
     save_deploy_setting(dense.checkpoint, "lambda", {"value": hybrid.config.lam,
-                                                     "normalization": hybrid.config.normalization, "tuned_on": {
+                                                     "normalization": hybrid.config.normalization,
+                                                     "rule": hybrid.config.rule, "tuned_on": {
         "workdir": str(Path(workdir).resolve()), "queries": len(queries), "ndcg@10": hybrid.config.tuned["ndcg@10"]}})
     return hybrid.config
 
@@ -743,7 +749,7 @@ def carry_hybrid(workdir: str | os.PathLike, checkpoint: str | os.PathLike) -> H
     if carried is None:
         return None
     config = HybridConfig(lam=float(carried["value"]), normalization=carried.get("normalization", "none"),
-                          source=source_of(checkpoint), tuned=dict(carried.get("tuned_on") or {}))
+                          rule=carried.get("rule", "best"), source=source_of(checkpoint), tuned=dict(carried.get("tuned_on") or {}))
     save_hybrid_config(workdir, config)
     return config
 

@@ -60,8 +60,10 @@ def build_index(args: argparse.Namespace) -> dict:
             split_q = {q: queries[q] for q in qrels[args.tune_split] if q in queries}
             tune_qrels = qrels[args.tune_split]
         normalization = getattr(args, "hybrid_normalization", None) or trained_normalization(checkpoint)
-        config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint, HybridConfig(normalization=normalization))
-        summary.update({"lambda": config.lam, "normalization": config.normalization, "tune_queries": len(split_q),
+        config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint,
+                             HybridConfig(normalization=normalization, rule=getattr(args, "lambda_rule", "best")))
+        summary.update({"lambda": config.lam, "normalization": config.normalization, "rule": config.rule,
+                        "tune_queries": len(split_q),
                         "tune_split": args.tune_split})
     else:  # no training queries here: the λ tuned where the model was trained, when saved with it
         config = carry_hybrid(args.workdir, checkpoint)
@@ -77,9 +79,11 @@ def report(summary: dict) -> None:
     lam = summary.pop("lambda")
     tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split", "lambda_source") if k in summary}
     normalization = summary.pop("normalization", "none")
+    rule = summary.pop("rule", "best")
     scores = "on raw scores" if normalization == "none" else f"on {normalization}-normalised scores"
     print(f"embedding job: {summary}")
     if lam is not None and "lambda_source" in tuned:
         print(f"λ_test = {lam} {scores} (no training queries here: carried from {tuned['lambda_source']})")
     elif lam is not None:
-        print(f"λ_test = {lam} {scores} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries)")
+        print(f"λ_test = {lam} {scores} (tuned on {tuned['tune_queries']} {tuned['tune_split']} queries, "
+              f"rule {rule})")
