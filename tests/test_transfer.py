@@ -182,9 +182,9 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
     lam, w = read_deploy(trained / "clear")["lambda"], read_deploy(trained / "ck-qti")["fusion"]["bm25"]
     # … and carried to the target, which says so
     used = table["settings"]["target"]
-    assert used["clear"]["lambda"] == {"value": lam["value"], "normalization": "none",
+    assert used["clear"]["lambda"] == {"value": lam["value"], "normalization": "none", "rule": "best",
                                        "source": str(deploy_path((trained / "clear").resolve()))}
-    assert lam["normalization"] == "none"    # the scores the λ was tuned on travel with it
+    assert (lam["normalization"], lam["rule"]) == ("none", "best")   # how the λ was tuned travels with it
     assert used["bm25+ck-qti"]["fusion_weight"]["value"] == w["weight"]
     assert used["bm25+ck-qti"]["fusion_weight"]["source"] == str(deploy_path((trained / "ck-qti").resolve()))
     assert table["settings"]["sample"]["clear"]["lambda"]["source"].startswith("tuned on")
