@@ -87,11 +87,11 @@ def main() -> None:
                 row[column] = round(statistics.mean(scores[column].values()), 4)
             carried = [row[c] for c in columns if c != dev]
             row["mean (reported)"] = round(statistics.mean(carried), 4) if carried else None
-            references = {" Δ": per_row[0] if per_row else None,
-                          f" Δ {rules[0]}": first_rule.setdefault((model, normalization), scores)}
+            references = {" Δ": per_row[0]} if per_row else {}
+            same_kind = first_rule.setdefault((model, normalization), scores)
+            if same_kind is not scores and same_kind is not per_row[0]:   # else the first row's difference again
+                references[f" Δ {rules[0]}"] = same_kind
             for suffix, reference in references.items():
-                if reference is None or reference is scores or (suffix != " Δ" and per_row and reference is per_row[0]):
-                    continue   # no reference, itself, or the first row's difference again
                 for column in columns:
                     ids = sorted(reference[column])
                     diff, se = paired_difference([scores[column][q] for q in ids], [reference[column][q] for q in ids])

@@ -197,6 +197,7 @@ def judged_queries(qrels: Mapping[str, Mapping[str, int]], among: Collection[str
 
 WEIGHT_RULES = ("best", "one-se")
 DEFAULT_WEIGHT_RULE = "one-se"   # w of first+reranker pipelines (module docstring)
+DEFAULT_LAMBDA_RULE = "best"     # CLEAR's λ_test: Eq. 8's λ, dev's argmax (module docstring)
 
 
 def check_weight_rule(config: str, rule: str, field: str = "weight_rule") -> None:

@@ -54,8 +54,8 @@ from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, cras
                                    timing_columns, validate_checks)
 from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
-from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, Candidates, Run, check_hybrid_normalization, check_weight_rule,
-                          grid_search, judged_queries, linear_fusion)
+from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, DEFAULT_LAMBDA_RULE, Candidates, Run, check_hybrid_normalization,
+                          check_weight_rule, grid_search, judged_queries, linear_fusion)
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -633,7 +633,7 @@ def _fill(qid: str, ids: list[str], scorer, have: Mapping[str, float]) -> dict[s
 
 def tune_lambda(candidates: Candidates, qrels: Mapping[str, Mapping[str, int]],
                 grid: Sequence[float] = DEFAULT_LAMBDA_GRID, k: int = 1000,
-                normalization: str = "none", rule: str = "best") -> tuple[float, dict[float, float]]:
+                normalization: str = "none", rule: str = DEFAULT_LAMBDA_RULE) -> tuple[float, dict[float, float]]:
     """Grid search of λ_test for nDCG@10 of Eq. 8 (``ckray.fusion.linear_fusion``, ``s = λ ·
     s_lex + s_emb`` on the scores as ``normalization`` gives them) over the judged queries in
     ``candidates``, chosen by ``rule`` (``ckray.fusion.grid_search``: ``"best"``, ties to the smaller λ;
@@ -654,7 +654,7 @@ class HybridConfig:
 
     lam: float = 0.05
     normalization: str = DEFAULT_HYBRID_NORMALIZATION
-    rule: str = "best"            # how λ was chosen from the dev grid (ckray.fusion.grid_search)
+    rule: str = DEFAULT_LAMBDA_RULE   # how λ was chosen from the dev grid (ckray.fusion.grid_search)
     lex_depth: int = 1000
     dense_depth: int = 100
     exact: bool = True            # fetch missing scores exactly (else: lowest score of that side)
@@ -692,7 +692,8 @@ class HybridRetriever:
     def settings(self) -> dict:
         """The deployment setting in use and where it came from (what an evaluation records)."""
         return {"lambda": {"value": self.config.lam, "normalization": self.config.normalization,
-                           "rule": self.config.rule, "source": self.config.source or "tuned on this collection's training queries"}}
+                           "rule": self.config.rule,
+                           "source": self.config.source or "tuned on this collection's training queries"}}
 
     def search(self, queries: Mapping[str, str], k: int = 1000) -> Run:
         run = linear_fusion(self.candidates(queries, k), self.config.lam, k, self.config.normalization)
@@ -749,7 +750,8 @@ def carry_hybrid(workdir: str | os.PathLike, checkpoint: str | os.PathLike) -> H
     if carried is None:
         return None
     config = HybridConfig(lam=float(carried["value"]), normalization=carried.get("normalization", "none"),
-                          rule=carried.get("rule", "best"), source=source_of(checkpoint), tuned=dict(carried.get("tuned_on") or {}))
+                          rule=carried.get("rule", DEFAULT_LAMBDA_RULE), source=source_of(checkpoint),
+                          tuned=dict(carried.get("tuned_on") or {}))
     save_hybrid_config(workdir, config)
     return config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckray.fusion import HYBRID_NORMALIZATIONS, WEIGHT_RULES
+from ckray.fusion import DEFAULT_LAMBDA_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES
 from ckray.models import DEFAULT_ENCODER
 from ckray.options import option
 
@@ -56,6 +56,6 @@ class DenseIndexOptions:
                                               "(default: what the checkpoint was trained for, tmm after "
                                               "--bm25-scale query-max, else none)",
                                               choices=HYBRID_NORMALIZATIONS)
-    lambda_rule: str = option("best", "how λ_test is chosen from the dev grid: best (the argmax) or one-se (the "
+    lambda_rule: str = option(DEFAULT_LAMBDA_RULE, "how λ_test is chosen from the dev grid: best (the argmax) or one-se (the "
                                       "largest λ, the most weight on BM25, within one standard error of it)",
                               choices=WEIGHT_RULES)

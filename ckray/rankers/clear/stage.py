@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ckray.fusion import DEFAULT_LAMBDA_RULE
 from ckray.rankers.clear import SPEC
 from ckray.options import add_options
 from ckray.rankers.clear.options import CLEAROptions, DenseIndexOptions
@@ -61,10 +62,10 @@ def build_index(args: argparse.Namespace) -> dict:
             tune_qrels = qrels[args.tune_split]
         normalization = getattr(args, "hybrid_normalization", None) or trained_normalization(checkpoint)
         config = tune_hybrid(args.workdir, split_q, tune_qrels, checkpoint,
-                             HybridConfig(normalization=normalization, rule=getattr(args, "lambda_rule", "best")))
+                             HybridConfig(normalization=normalization,
+                                          rule=getattr(args, "lambda_rule", DEFAULT_LAMBDA_RULE)))
         summary.update({"lambda": config.lam, "normalization": config.normalization, "rule": config.rule,
-                        "tune_queries": len(split_q),
-                        "tune_split": args.tune_split})
+                        "tune_queries": len(split_q), "tune_split": args.tune_split})
     else:  # no training queries here: the λ tuned where the model was trained, when saved with it
         config = carry_hybrid(args.workdir, checkpoint)
         if config is not None:
@@ -79,7 +80,7 @@ def report(summary: dict) -> None:
     lam = summary.pop("lambda")
     tuned = {k: summary.pop(k) for k in ("tune_queries", "tune_split", "lambda_source") if k in summary}
     normalization = summary.pop("normalization", "none")
-    rule = summary.pop("rule", "best")
+    rule = summary.pop("rule", DEFAULT_LAMBDA_RULE)
     scores = "on raw scores" if normalization == "none" else f"on {normalization}-normalised scores"
     print(f"embedding job: {summary}")
     if lam is not None and "lambda_source" in tuned:
