@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 from ckray.cli import base_parser, run_job  # noqa: E402
 
 IMPACT_FLAGS = ("top_k", "explicit_weight")   # of the CK-QTI impact index job's options, passed on
-DENSE_FLAGS = ("doc_max_len", "lambda_rule")  # of the CLEAR dense index job's options, passed on
+DENSE_FLAGS = ("doc_max_len", "passages", "lambda_rule")  # of the CLEAR dense index job's options, passed on
 
 
 def _given(args, flags: tuple[str, ...]) -> dict:

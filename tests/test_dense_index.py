@@ -135,7 +135,7 @@ def test_rerun_skips_finished_shards_and_redoes_broken_ones(embedded, tiny_check
 def test_doc_max_len_override_reencodes_at_that_length(tmp_path, tiny_checkpoint, ray_session):
     docs = make_corpus(tmp_path, sizes=(12, 9), seed=2)
     embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8), progress=False)
-    short = embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8, doc_max_len=6),
+    short = embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8, doc_max_len=6, passages=1),
                          progress=False)
     assert short["shards_written"] == 2 and short["documents"] == 21   # another length: nothing reused
     ids, x = read_embedding_shards(embeddings_dir(tmp_path))
@@ -147,6 +147,66 @@ def test_doc_max_len_override_reencodes_at_that_length(tmp_path, tiny_checkpoint
     assert not np.allclose(x, np.stack([_expected_embeddings(tiny_checkpoint, docs)[d] for d in ids]), atol=1e-3)
     with pytest.raises(ConfigError, match="has 128 positions"):
         embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(doc_max_len=129), progress=False)
+
+
+def test_passages_are_overlapping_windows_that_read_the_whole_document(tiny_checkpoint):
+    """A document that fits one window gets encode_documents' vector; a longer one a vector per window, the first
+    being its FirstP vector, consecutive windows sharing ``overlap`` word pieces, all of them read with 0."""
+    model = load_model(tiny_checkpoint)
+    model.config.doc_max_len = 16
+    long_doc = " ".join(WORDS * 3)
+    docs = ["fever infection", long_doc]
+    every = model.encode_document_passages(docs, 0, overlap=4)
+    tok = model.tokenizer(long_doc, add_special_tokens=False)["input_ids"]
+    step = 14 - 4                                       # a window's 14 pieces besides [CLS]/[SEP], less the overlap
+    assert len(tok) > 50 and [len(v) for v in every] == [1, 1 + -(-(len(tok) - 14) // step)]
+    first = model.encode_documents(docs).numpy()
+    np.testing.assert_allclose(np.stack([v[0].numpy() for v in every]), first, atol=1e-6)
+    for i, v in enumerate(every[1]):                    # window i is the pieces [i·step, i·step + 14)
+        ids = [model.tokenizer.cls_token_id, *tok[i * step: i * step + 14], model.tokenizer.sep_token_id]
+        want = model.document_embeddings(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        np.testing.assert_allclose(v.numpy(), want.detach().numpy(), atol=1e-5)
+    assert [len(v) for v in model.encode_document_passages(docs, 2, overlap=4)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_embedding_job_with_passages_writes_a_row_per_window_and_the_index_scores_the_best(tmp_path, tiny_checkpoint,
+                                                                                          ray_session):
+    docs = make_corpus(tmp_path, sizes=(12, 9), seed=4)
+    config = EmbedConfig(actors=1, batch_size=8, doc_max_len=8, passages=3)
+    embed_corpus(tmp_path, tiny_checkpoint, config, progress=False)
+    model = load_model(tiny_checkpoint)
+    model.config.doc_max_len = 8
+    want = dict(zip([d for d, _, _ in docs], model.encode_document_passages(
+        [f"{t} {x}".strip() for _, t, x in docs], 3, overlap=2)))
+    assert {len(v) for v in want.values()} == {1, 2, 3}   # short documents keep one row, long ones three at most
+    out = embeddings_dir(tmp_path)
+    table = pq.read_table(out / shard_name(0))
+    ids = table.column("doc_id").to_pylist()
+    assert ids == [d for d, _, _ in docs[:12] for _ in range(len(want[d]))]        # a row per window, in order
+    assert table.column("passage").to_pylist() == [i for d, _, _ in docs[:12] for i in range(len(want[d]))]
+    assert pq.read_table(out / shard_name(1)).num_rows == sum(len(want[d]) for d, _, _ in docs[12:])
+    # a FirstP run's shards are not reused for passages, nor the other way round
+    again = embed_corpus(tmp_path, tiny_checkpoint, EmbedConfig(actors=1, batch_size=8, doc_max_len=8), progress=False)
+    assert again["shards_written"] == 2
+    embed_corpus(tmp_path, tiny_checkpoint, config, progress=False)
+
+    index = DenseIndex.from_shards(out)
+    assert len(index) == 21 and index.meta["count"] == sum(map(len, want.values())) and index.meta["documents"] == 21
+    index.save(tmp_path / "index")
+    loaded = DenseIndex.load(tmp_path / "index")
+    q = np.random.default_rng(0).normal(size=(3, 32)).astype(np.float32)
+    best = {d: v.numpy() @ q.T for d, v in want.items()}          # [windows, queries]
+    for qi in range(3):                                          # MaxP: each document once, at its best window
+        exact = sorted(((float(s[:, qi].max()), d) for d, s in best.items()), reverse=True)
+        for found in (index.search(q, 5)[qi], loaded.search(q, 5)[qi]):
+            assert [d for d, _ in found] == [d for _, d in exact[:5]]
+            np.testing.assert_allclose([s for _, s in found], [s for s, _ in exact[:5]], rtol=1e-4)
+        assert len(loaded.search(q, 21)[qi]) == 21                # all documents, though windows outnumber them
+        np.testing.assert_allclose(loaded.scores(q[qi], ["d003", "d015"]),
+                                   [best["d003"][:, qi].max(), best["d015"][:, qi].max()], rtol=1e-4)
+    with pytest.raises(ConfigError, match="passage vectors"):
+        loaded.vectors(["d003"])
 
 
 @pytest.mark.slow

@@ -178,9 +178,9 @@ def test_the_benchmark_jobs_flags_are_its_configs_fields_and_those_of_the_indexe
     assert sorted(_job_flags(p)) == sorted([*own, "--from-workdir", *(impact[name] for name in job.IMPACT_FLAGS),
                                             *(dense[name] for name in job.DENSE_FLAGS)])
     args = p.parse_args(["--data", str(tmp_path), "--data", str(tmp_path), "--from-workdir", "T", "--top-k", "64",
-                         "--doc-max-len", "512", "--lambda-rule", "one-se"])
+                         "--doc-max-len", "512", "--lambda-rule", "one-se", "--passages", "4"])
     c = options_from_args(BenchmarkConfig, args, checkpoints="T/checkpoints")
     assert (c.data, c.checkpoints, c.pipelines, args.top_k) == ([str(tmp_path)] * 2, "T/checkpoints", ["bm25"], 64)
-    assert (args.doc_max_len, args.lambda_rule) == (512, "one-se")
+    assert (args.doc_max_len, args.lambda_rule, args.passages) == (512, "one-se", 4)
     with pytest.raises(ConfigError, match=r"^--data must name at least one collection$"):
         options_from_args(BenchmarkConfig, p.parse_args([]), checkpoints="T")

@@ -3,8 +3,9 @@
 Layout under the work directory ``W``::
 
     W/shards/part-NNNNN.parquet           corpus shards (doc_id, title, text)          ckray.data.shards
-    W/dense/shards/part-NNNNN.parquet     one embedding shard per corpus shard:
-                                          doc_id: string, embedding: fixed_size_list<float32|float16>[D]
+    W/dense/shards/part-NNNNN.parquet     one embedding shard per corpus shard, a row per passage vector:
+                                          doc_id: string, embedding: fixed_size_list<float32|float16>[D],
+                                          passage: int32 (0 opens a document; absent with --passages 1)
                                           (+ part-NNNNN.parquet.done.json: what it was computed from)
     W/dense/index/                        index.faiss, doc_ids.parquet (row i ↔ faiss id i), meta.json
     W/dense/hybrid.json                   λ_test tuned on training queries (``tune_lambda``)
@@ -16,6 +17,11 @@ is written atomically (``write_parquet_atomic`` + a done marker recording the ch
 the source shard) as soon as all of its documents are in, in the corpus shard's order; a re-run skips
 finished shards and redoes half-written ones. A lost actor is restarted and its batch retried: a
 repeated document is dropped, a missing one is an error naming it.
+
+Passages (``EmbedConfig.passages``): a document longer than the encoder's ``doc_max_len`` word pieces is read as
+overlapping windows of that length, a vector each, and scored by its best window, s_emb(q, d) = max_p v_q · v_p
+(MaxP, Dai & Callan 2019); with ``passages=1`` by its first window only, the paper's truncation (FirstP).
+Documents that fit one window are encoded exactly as before.
 
 Index (:class:`DenseIndex`): inner product over the embeddings; ``flat`` (exact) by default, ``hnsw``,
 ``ivf`` and ``ivfpq`` for large corpora; on GPU faiss when ``faiss.get_num_gpus() > 0``.
@@ -56,6 +62,7 @@ from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_p
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, DEFAULT_LAMBDA_RULE, Candidates, Run, check_hybrid_normalization,
                           check_weight_rule, grid_search, judged_queries, linear_fusion)
+from ckray.rankers.clear.options import DEFAULT_PASSAGES
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -98,24 +105,38 @@ class EmbedConfig(ActorPoolConfig):
     float16:           store embeddings as float16 (half the disk; the index is built in float32).
     doc_max_len:       encode documents at this many word pieces instead of the checkpoint's
                        ``doc_max_len`` (e.g. train at 256, index at 512); None: the checkpoint's.
+    passages:          a document longer than ``doc_max_len`` is encoded as up to this many windows of
+                       ``doc_max_len`` word pieces (0: as many as it takes to read it whole), a quarter of each
+                       shared with the next (:func:`passage_overlap`), one vector each, and scored by its
+                       best one (MaxP, Dai & Callan 2019); 1: its first window only (FirstP, the paper's
+                       truncation).
     """
 
     batch_size: int = 512
     encode_batch_size: int = 32
     float16: bool = False
     doc_max_len: int | None = None
+    passages: int = DEFAULT_PASSAGES
 
     def validate(self) -> None:
         validate_checks(self, self.pool_checks() + [
             (self.doc_max_len is None or self.doc_max_len >= 1, "doc_max_len must be >= 1"),
+            (self.passages >= 0, "passages must be >= 0 (0: every window of a document)"),
             (self.encode_batch_size >= 1, "encode_batch_size must be >= 1")])
 
 
+def passage_overlap(doc_max_len: int) -> int:
+    """Word pieces two consecutive passage windows share: a quarter of the window, so a sentence cut at one
+    window's end is read whole by the next."""
+    return doc_max_len // 4
+
+
 class DocumentEncoder:
-    """Ray Data callable class: loads the model once per actor, embeds ``doc_text(title, text)``."""
+    """Ray Data callable class: loads the model once per actor, embeds ``doc_text(title, text)``: one row per
+    document whose ``embedding`` holds its passages' vectors one after another (``EmbedConfig.passages``)."""
 
     def __init__(self, checkpoint: str, use_gpu: bool = False, threads: int = 0, encode_batch_size: int = 32,
-                 doc_max_len: int | None = None, crash_once: str | None = None):
+                 doc_max_len: int | None = None, passages: int = DEFAULT_PASSAGES, crash_once: str | None = None):
         from ckray.models.checkpoint import load_model
 
         self.device = actor_device(use_gpu, threads)
@@ -123,9 +144,10 @@ class DocumentEncoder:
         if doc_max_len is not None:  # checked against the encoder's positions by embed_corpus
             self.model.config.doc_max_len = doc_max_len
         self.encode_batch_size = encode_batch_size
+        self.passages = passages
         self.crash_once = crash_once  # ckray.batch_inference.crash_once: a test's lost actor
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         import contextlib
 
         import torch
@@ -138,33 +160,44 @@ class DocumentEncoder:
         amp = (torch.autocast("cuda", dtype=torch.float16) if self.device.type == "cuda"
                else contextlib.nullcontext())
         with amp:
-            emb = self.model.encode_documents(texts, batch_size=self.encode_batch_size)
-        out = {"doc_id": batch["doc_id"], "embedding": emb.float().numpy(),
-               **timing_columns(len(texts), wall0, cpu0)}
-        if "path" in batch:
-            out["path"] = batch["path"]
-        return out
+            if self.passages == 1:
+                vectors = list(self.model.encode_documents(texts, batch_size=self.encode_batch_size)[:, None])
+            else:
+                length = self.model.config.doc_max_len
+                vectors = self.model.encode_document_passages(texts, self.passages, passage_overlap(length),
+                                                              batch_size=self.encode_batch_size)
+        timing = timing_columns(len(texts), wall0, cpu0)
+        return pa.table({
+            "doc_id": pa.array([str(d) for d in batch["doc_id"]], pa.string()),
+            "path": pa.array([str(p) for p in batch["path"]], pa.string()),
+            "embedding": pa.array([v.float().numpy().reshape(-1) for v in vectors], pa.list_(pa.float32())),
+            **{name: pa.array(values) for name, values in timing.items()}})
 
 
-def _shard_stamp(source: Path, digest: str, config: EmbedConfig) -> dict:
+def _shard_stamp(source: Path, digest: str, config: EmbedConfig, doc_max_len: int | None) -> dict:
+    """What an embedding shard was made from and how: a shard made otherwise (another model, length, dtype or
+    number of passages) is not reused. ``doc_max_len``: the length documents were read at."""
     st = source.stat()
-    stamp = {"source": source.name, "source_rows": pq.read_metadata(source).num_rows,
-             "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
-             "checkpoint_sha256": digest, "dtype": "float16" if config.float16 else "float32"}
-    if config.doc_max_len is not None:  # only when overridden: shards made at the checkpoint's length stay valid
-        stamp["doc_max_len"] = config.doc_max_len
-    return stamp
+    return {"source": source.name, "source_rows": pq.read_metadata(source).num_rows,
+            "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
+            "checkpoint_sha256": digest, "dtype": "float16" if config.float16 else "float32",
+            "doc_max_len": doc_max_len, "passages": config.passages}
 
 
-def embedding_table(doc_ids: Sequence[str], embeddings: np.ndarray, float16: bool = False) -> pa.Table:
-    """``doc_id: string, embedding: fixed_size_list<float>[D]``."""
+def embedding_table(doc_ids: Sequence[str], embeddings: np.ndarray, float16: bool = False,
+                    passage: Sequence[int] | None = None) -> pa.Table:
+    """``doc_id: string, embedding: fixed_size_list<float>[D]``, a row per vector; with ``passage`` (each row's
+    position in its document, 0 opening a document) also ``passage: int32``, and a document's rows in order."""
     emb = np.ascontiguousarray(embeddings, dtype=np.float16 if float16 else np.float32)
     if emb.ndim != 2 or emb.shape[1] < 1 or len(emb) != len(doc_ids):
         raise ValueError(f"embeddings of shape {emb.shape} for {len(doc_ids)} documents")
     dim = emb.shape[1]
     values = pa.array(emb.reshape(-1))
-    return pa.table({"doc_id": pa.array(list(doc_ids), pa.string()),
-                     "embedding": pa.FixedSizeListArray.from_arrays(values, dim)})
+    columns = {"doc_id": pa.array(list(doc_ids), pa.string()),
+               "embedding": pa.FixedSizeListArray.from_arrays(values, dim)}
+    if passage is not None:
+        columns["passage"] = pa.array(np.asarray(passage, np.int32))
+    return pa.table(columns)
 
 
 def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, config: EmbedConfig | None = None,
@@ -188,19 +221,31 @@ def embed_corpus(workdir: str | os.PathLike, checkpoint: str | os.PathLike, conf
     digest = checkpoint_digest(checkpoint)
     if config.doc_max_len is not None:
         _check_doc_max_len(checkpoint, config.doc_max_len)
+    from ckray.models.checkpoint import read_checkpoint_config
+
+    doc_max_len = config.doc_max_len or read_checkpoint_config(checkpoint).get("config", {}).get("doc_max_len")
     sources = shard_paths(workdir)
-    stamps = {s.name: _shard_stamp(s, digest, config) for s in sources}
+    stamps = {s.name: _shard_stamp(s, digest, config, doc_max_len) for s in sources}
+
+    dim = _checkpoint_dim(checkpoint)
 
     def write(path: Path, ids: list[str], vectors: list[np.ndarray], stamp: dict) -> None:
-        emb = np.stack(vectors) if vectors else np.zeros((0, _checkpoint_dim(checkpoint)), np.float32)
-        write_embedding_shard(path, ids, [emb], config.float16, stamp)
+        """A row per passage vector; the ``passage`` column only where documents may have several."""
+        counts = [len(v) for v in vectors]
+        emb = np.concatenate(vectors) if vectors else np.zeros((0, dim), np.float32)
+        rows = [d for d, n in zip(ids, counts) for _ in range(n)]
+        passage = [i for n in counts for i in range(n)] if config.passages != 1 else None
+        write_embedding_shard(path, rows, [emb], config.float16, stamp, passage)
+
+    def payloads(batch: pa.Table) -> list[np.ndarray]:
+        return [np.asarray(v.values, np.float32).reshape(-1, dim) for v in batch.column("embedding")]
 
     summary = run_shard_job(ShardJob(
         what="embedding", sources=sources, out_dir=out_dir, stamps=stamps, actor=DocumentEncoder,
         actor_kwargs={"checkpoint": checkpoint, "use_gpu": config.use_gpu, "threads": config.torch_threads,
                       "encode_batch_size": config.encode_batch_size, "doc_max_len": config.doc_max_len,
-                      "crash_once": crash_once},
-        pool=config, payloads=lambda batch: np.asarray(batch["embedding"]), write=write, progress=progress))
+                      "passages": config.passages, "crash_once": crash_once},
+        pool=config, payloads=payloads, write=write, batch_format="pyarrow", progress=progress))
     summary["encode_s"] = summary.pop("actor_seconds")
     summary["encode_cpu_s"] = summary.pop("actor_cpu_seconds")
     return {**summary, "out_dir": str(out_dir), "checkpoint_sha256": digest}
@@ -228,10 +273,10 @@ def _checkpoint_dim(checkpoint: str) -> int:
 
 
 def write_embedding_shard(path: str | os.PathLike, ids: Sequence[str], vecs: Sequence[np.ndarray], float16: bool,
-                          stamp: dict) -> None:
-    """Write one embedding shard atomically, then its done marker (``stamp`` + row count)."""
+                          stamp: dict, passage: Sequence[int] | None = None) -> None:
+    """Write one embedding shard atomically (:func:`embedding_table`), then its done marker (``stamp`` + row count)."""
     emb = np.concatenate(vecs)
-    write_parquet_atomic(embedding_table(ids, emb, float16), path)
+    write_parquet_atomic(embedding_table(ids, emb, float16, passage), path)
     mark_done(path, stamp)
 
 
@@ -345,15 +390,34 @@ class DocIdMap:
         return found[0] if found else None
 
 
+def passage_starts(passage: "np.ndarray | pa.Array | pa.ChunkedArray | None") -> np.ndarray | None:
+    """The rows where each document's passages start, and the row count after them (``[documents + 1]``), from
+    the ``passage`` column of the embedding shards (0 opens a document); None without one: a row per document."""
+    if passage is None:
+        return None
+    if isinstance(passage, (pa.Array, pa.ChunkedArray)):
+        passage = passage.to_numpy() if isinstance(passage, pa.Array) else passage.combine_chunks().to_numpy()
+    passage = np.asarray(passage)
+    if len(passage) and passage[0] != 0:
+        raise ConfigError("the embedding rows start inside a document (its passage 0 is missing); re-run the embedding job")
+    return np.append(np.flatnonzero(passage == 0), len(passage)).astype(np.int64)
+
+
 class DenseIndex:
-    """A faiss inner-product index and its doc-id mapping (faiss id i ↔ ``doc_ids[i]``)."""
+    """A faiss inner-product index and its doc-id mapping: faiss id i ↔ ``doc_ids[i]``, or, where documents
+    are stored as several passage vectors (``EmbedConfig.passages``), faiss ids ``starts[i]`` to
+    ``starts[i + 1]`` ↔ ``doc_ids[i]``, the document scored by its best passage (MaxP)."""
 
     def __init__(self, index: Any, doc_ids: "Sequence[str] | pa.Array | DocIdMap", meta: dict | None = None,
-                 use_gpu: bool | None = None):
+                 use_gpu: bool | None = None, starts: np.ndarray | None = None):
         import faiss
 
         self.index = index                      # CPU index: saving, reconstructing vectors
         self.doc_ids = doc_ids if isinstance(doc_ids, DocIdMap) else DocIdMap(doc_ids)
+        self.starts = starts                    # None: one vector per document
+        if starts is not None and (len(starts) != len(self.doc_ids) + 1 or starts[-1] != index.ntotal):
+            raise ConfigError(f"{len(starts) - 1} passage groups over {starts[-1]} rows for {len(self.doc_ids)} "
+                              f"documents and {index.ntotal} vectors; rebuild the dense index")
         self.meta = dict(meta or {})
         self._apply_search_params()
         want_gpu = _want_gpu(use_gpu)
@@ -380,8 +444,13 @@ class DenseIndex:
         index itself the process holds one shard's vectors, the training sample of IVF/PQ
         (``IndexConfig.train_sample`` rows at most) and the doc ids as Arrow strings (:class:`DocIdMap`)."""
         shards = embedding_shard_paths(directory)
-        ids = DocIdMap(pa.chunked_array([pq.read_table(p, columns=["doc_id"]).column(0) for p in shards],
-                                        pa.string()))
+        row_ids = pa.chunked_array([pq.read_table(p, columns=["doc_id"]).column(0) for p in shards], pa.string())
+        with_passages = [("passage" in pq.read_schema(p).names) for p in shards]
+        if any(with_passages) and not all(with_passages):
+            raise ConfigError(f"the embedding shards in {directory} mix passage vectors and one vector per document; "
+                              f"re-run the embedding job")
+        groups = passage_starts(pa.chunked_array([pq.read_table(p, columns=["passage"]).column(0) for p in shards])
+                                if all(with_passages) else None)
         dim = pq.read_schema(shards[0]).field("embedding").type.list_size
         starts = np.cumsum([0] + [pq.read_metadata(p).num_rows for p in shards])
 
@@ -400,12 +469,14 @@ class DenseIndex:
         def batches() -> Iterator[np.ndarray]:
             return map(vectors, shards)
 
-        return cls._assemble(ids, dim, sample, batches, config, {**(meta or {}), "embeddings": str(directory)})
+        doc_ids = row_ids if groups is None else row_ids.take(pa.array(groups[:-1]))
+        return cls._assemble(DocIdMap(doc_ids), dim, sample, batches, config,
+                             {**(meta or {}), "embeddings": str(directory)}, groups)
 
     @classmethod
     def _assemble(cls, ids: DocIdMap, dim: int, sample: Callable[[np.ndarray], np.ndarray],
                   batches: Callable[[], Iterator[np.ndarray]], config: IndexConfig | None,
-                  meta: dict | None) -> "DenseIndex":
+                  meta: dict | None, starts: np.ndarray | None = None) -> "DenseIndex":
         """Create the index of ``config``, train it (IVF/PQ) on ``sample(rows)`` of a seeded random choice of
         rows, then add ``batches()`` (every vector once, in row order)."""
         import faiss
@@ -415,7 +486,7 @@ class DenseIndex:
         duplicate = ids.first_duplicate()
         if duplicate is not None:
             raise ConfigError(f"duplicate doc id {duplicate!r} in the embedding shards; re-run the embedding job")
-        n = len(ids)
+        n = len(ids) if starts is None else int(starts[-1])
         spec = config.factory(dim, n)
         index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
         if config.kind == "hnsw":
@@ -435,9 +506,9 @@ class DenseIndex:
         if gpu:
             index = faiss.index_gpu_to_cpu(work)
         meta = {**(meta or {}), **{"kind": config.kind, "factory": spec, "dim": dim, "count": n,
-                                   "metric": "inner_product", "config": asdict(config)}}
-        log.info("built faiss index %s over %d vectors of dimension %d", spec, n, dim)
-        return cls(index, ids, meta, use_gpu=config.use_gpu)
+                                   "documents": len(ids), "metric": "inner_product", "config": asdict(config)}}
+        log.info("built faiss index %s over %d vectors of dimension %d (%d documents)", spec, n, dim, len(ids))
+        return cls(index, ids, meta, use_gpu=config.use_gpu, starts=starts)
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -449,7 +520,7 @@ class DenseIndex:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         faiss.write_index(self.index, str(tmp / INDEX_FILE))
-        pq.write_table(pa.table({"doc_id": self.doc_ids.ids}), tmp / IDS_FILE)
+        pq.write_table(self._row_table(), tmp / IDS_FILE)
         (tmp / META_FILE).write_text(json.dumps(self.meta, indent=2, sort_keys=True))
         if directory.exists():
             shutil.rmtree(directory)
@@ -466,11 +537,23 @@ class DenseIndex:
             raise MissingArtifactError(f"no dense index at {directory} ({', '.join(missing)} missing): "
                                        f"build it with jobs/build_dense_index.py")
         index = faiss.read_index(str(directory / INDEX_FILE))
-        ids = pq.read_table(directory / IDS_FILE).column("doc_id")   # Arrow strings: no Python object per id
+        rows = pq.read_table(directory / IDS_FILE)   # Arrow strings: no Python object per id
         meta = json.loads((directory / META_FILE).read_text())
-        if index.ntotal != len(ids):
-            raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {len(ids)} ids; rebuild it")
-        return cls(index, ids, meta, use_gpu=use_gpu)
+        if index.ntotal != rows.num_rows:
+            raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {rows.num_rows} ids; "
+                                       f"rebuild it")
+        starts = passage_starts(rows.column("passage") if "passage" in rows.column_names else None)
+        ids = rows.column("doc_id") if starts is None else rows.column("doc_id").take(pa.array(starts[:-1]))
+        return cls(index, ids, meta, use_gpu=use_gpu, starts=starts)
+
+    def _row_table(self) -> pa.Table:
+        """The doc id of every faiss row (and its passage number where documents have several)."""
+        if self.starts is None:
+            return pa.table({"doc_id": self.doc_ids.ids})
+        counts = np.diff(self.starts)
+        first = np.repeat(self.starts[:-1], counts)
+        return pa.table({"doc_id": self.doc_ids.ids.take(pa.array(np.repeat(np.arange(len(counts)), counts))),
+                         "passage": pa.array((np.arange(self.starts[-1]) - first).astype(np.int32))})
 
     # -- querying ------------------------------------------------------------------------------
 
@@ -492,25 +575,64 @@ class DenseIndex:
         elif self.meta.get("kind") == "hnsw":
             self.index.hnsw.efSearch = int(cfg.get("ef_search", 256))
 
+    def _search_rows(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        index = self._search_index if k <= 2048 else self.index   # GPU faiss caps k at 2048
+        return index.search(q, k)
+
     def search(self, query_vectors: np.ndarray, k: int) -> list[list[tuple[str, float]]]:
-        """Top-k (doc_id, inner product) per query vector, best first."""
+        """Top-k (doc_id, inner product) per query vector, best first; a document stored as passages scores its
+        best passage's product (MaxP), found by searching more passages until k documents are in."""
         q = np.ascontiguousarray(np.atleast_2d(query_vectors), dtype=np.float32)
         k = min(k, len(self.doc_ids))
         if k <= 0 or len(q) == 0:
             return [[] for _ in range(len(q))]
-        index = self._search_index if k <= 2048 else self.index   # GPU faiss caps k at 2048
-        scores, rows = index.search(q, k)
-        return [[(self.doc_ids[r], float(s)) for s, r in zip(srow, rrow) if r >= 0]
-                for srow, rrow in zip(scores, rows)]
+        if self.starts is None:
+            scores, rows = self._search_rows(q, k)
+            return [[(self.doc_ids[r], float(s)) for s, r in zip(srow, rrow) if r >= 0]
+                    for srow, rrow in zip(scores, rows)]
+        total = int(self.starts[-1])
+        k_rows = min(total, math.ceil(k * total / len(self.doc_ids)))
+        while True:
+            scores, rows = self._search_rows(q, k_rows)
+            hits = [self._best_passages(srow, rrow, k) for srow, rrow in zip(scores, rows)]
+            if k_rows >= total or all(len(h) == k for h in hits):
+                return [[(self.doc_ids[d], s) for d, s in h] for h in hits]
+            k_rows = min(total, 2 * k_rows)
+
+    def _best_passages(self, scores: np.ndarray, rows: np.ndarray, k: int) -> list[tuple[int, float]]:
+        """(document, its best passage's score) for the first ``k`` documents among passage rows ranked best first."""
+        found = rows >= 0
+        docs = np.searchsorted(self.starts, rows[found], side="right") - 1
+        _, first = np.unique(docs, return_index=True)
+        first = np.sort(first)[:k]             # each document at its best passage, in rank order
+        return [(int(docs[i]), float(scores[found][i])) for i in first]
 
     def vectors(self, doc_ids: Sequence[str]) -> np.ndarray:
-        """Stored vectors of ``doc_ids`` (exact for flat/hnsw/ivf; the PQ approximation for ivfpq)."""
-        rows = [self.doc_ids.row(d) for d in doc_ids]
-        if None in rows:
-            raise KeyError(f"document {doc_ids[rows.index(None)]!r} is not in the dense index")
+        """Stored vectors of ``doc_ids`` (exact for flat/hnsw/ivf; the PQ approximation for ivfpq), one per
+        document: an index of passage vectors has several per document (:meth:`scores` takes their best)."""
+        if self.starts is not None:
+            raise ConfigError("this dense index stores documents as passage vectors, several per document: "
+                              "score them with DenseIndex.scores")
+        rows = self._rows(doc_ids)
         if not rows:
             return np.zeros((0, self.dim), np.float32)
         return np.stack([self.index.reconstruct(int(r)) for r in rows])
+
+    def scores(self, query_vector: np.ndarray, doc_ids: Sequence[str]) -> np.ndarray:
+        """s_emb(q, d) for each of ``doc_ids`` from the stored vectors: ``v_q · v_d``, or the best passage's
+        product where documents are stored as passages (MaxP)."""
+        rows = self._rows(doc_ids)
+        q = np.asarray(query_vector, np.float32).reshape(-1)
+        if self.starts is None:
+            return self.vectors(doc_ids) @ q if rows else np.zeros(0, np.float32)
+        return np.array([max(float(self.index.reconstruct(int(r)) @ q)
+                             for r in range(self.starts[d], self.starts[d + 1])) for d in rows], np.float32)
+
+    def _rows(self, doc_ids: Sequence[str]) -> list[int]:
+        rows = [self.doc_ids.row(d) for d in doc_ids]
+        if None in rows:
+            raise KeyError(f"document {doc_ids[rows.index(None)]!r} is not in the dense index")
+        return rows
 
     def __contains__(self, doc_id: str) -> bool:
         return self.doc_ids.row(doc_id) is not None
@@ -529,10 +651,11 @@ def build_dense_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike 
                       embed: EmbedConfig | None = None, index: IndexConfig | None = None) -> tuple[DenseIndex, dict]:
     """Embedding job + index build + save to ``W/dense/index``; returns the index and the job summary."""
     checkpoint = Path(checkpoint) if checkpoint is not None else default_checkpoint(workdir)
+    embed = embed or EmbedConfig()
     summary = embed_corpus(workdir, checkpoint, embed)
     dense = DenseIndex.from_shards(embeddings_dir(workdir), index,
                                    {"checkpoint": str(checkpoint.resolve()),
-                                    "checkpoint_sha256": summary["checkpoint_sha256"]})
+                                    "checkpoint_sha256": summary["checkpoint_sha256"], "passages": embed.passages})
     dense.save(index_dir(workdir))
     return dense, summary
 
@@ -583,7 +706,7 @@ class DenseRetriever:
         vq = self.encode([queries[q] for q in qids])
         for i, q in enumerate(qids):
             ids = [d for d in candidates[q] if d in self.index]
-            out[q] = dict(zip(ids, (self.index.vectors(ids) @ vq[i]).tolist()))
+            out[q] = dict(zip(ids, self.index.scores(vq[i], ids).tolist()))
         return out
 
 

@@ -217,28 +217,29 @@ class CLEAR(nn.Module):
 
     @torch.no_grad()
     def _encode_texts(self, texts: Sequence[str], query: bool, batch_size: int) -> torch.Tensor:
-        """Encode in length-sorted batches (less padding), return rows in input order, on CPU.
+        """``[B, D]``: each text truncated at the tower's length (``query_max_len`` / ``doc_max_len``)."""
+        max_len = self.config.query_max_len if query else self.config.doc_max_len
+        ids = self.tokenizer(list(texts), truncation=True, max_length=max_len)["input_ids"] if len(texts) else []
+        return self._encode_ids(self.query_layers if query else self.doc_layers, ids, batch_size)
+
+    def _encode_ids(self, upper: nn.ModuleList, ids: list[list[int]], batch_size: int) -> torch.Tensor:
+        """Encode word-piece sequences in length-sorted batches (less padding), rows in input order, on CPU.
 
         Always in eval mode (no dropout), whatever mode the module is in; the mode is restored.
         """
         was_training = self.training
         self.eval()
         try:
-            return self._encode_sorted(list(texts), query, batch_size)
+            order = np.argsort([-len(x) for x in ids], kind="stable")
+            out = torch.empty(len(ids), self.config.dim)
+            for i in range(0, len(ids), batch_size):
+                idx = order[i:i + batch_size]
+                tok = self.tokenizer.pad({"input_ids": [ids[j] for j in idx]}, return_tensors="pt")
+                v = self._encode(upper, tok["input_ids"].to(self.device), tok["attention_mask"].to(self.device))
+                out[torch.as_tensor(idx)] = v.float().cpu()
+            return out
         finally:
             self.train(was_training)
-
-    def _encode_sorted(self, texts: list[str], query: bool, batch_size: int) -> torch.Tensor:
-        max_len = self.config.query_max_len if query else self.config.doc_max_len
-        upper = self.query_layers if query else self.doc_layers
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        out = torch.empty(len(texts), self.config.dim)
-        for i in range(0, len(texts), batch_size):
-            idx = order[i:i + batch_size]
-            tok = self.tokenize([texts[j] for j in idx], max_len)
-            v = self._encode(upper, tok["input_ids"].to(self.device), tok["attention_mask"].to(self.device))
-            out[torch.as_tensor(idx)] = v.float().cpu()
-        return out
 
     def encode_queries(self, queries: Sequence[str], batch_size: int = 128) -> torch.Tensor:
         """``[B, D]`` query embeddings v_q (no gradient)."""
@@ -247,6 +248,25 @@ class CLEAR(nn.Module):
     def encode_documents(self, documents: Sequence[str], batch_size: int = 32) -> torch.Tensor:
         """``[B, D]`` document embeddings v_d (no gradient). Texts are ``doc_text(title, text)``."""
         return self._encode_texts(documents, False, batch_size)
+
+    @torch.no_grad()
+    def encode_document_passages(self, documents: Sequence[str], max_passages: int, overlap: int,
+                                 batch_size: int = 32) -> list[torch.Tensor]:
+        """``[n_p, D]`` per document: v_d of each window of ``doc_max_len`` word pieces (consecutive windows share
+        ``overlap`` of them; the first ``max_passages``, or all of them with 0), for scoring a document by its
+        best passage (MaxP, Dai & Callan 2019). A document that fits one window gets the one row
+        :meth:`encode_documents` gives it. No gradient."""
+        if not len(documents):
+            return []
+        enc = self.tokenizer(list(documents), truncation=True, max_length=self.config.doc_max_len, stride=overlap,
+                             return_overflowing_tokens=True)
+        windows: list[list[int]] = []
+        per_doc = np.zeros(len(documents), np.int64)
+        for ids, doc in zip(enc["input_ids"], enc["overflow_to_sample_mapping"]):
+            if not max_passages or per_doc[doc] < max_passages:   # a document's windows come in order
+                per_doc[doc] += 1
+                windows.append(ids)
+        return list(torch.split(self._encode_ids(self.doc_layers, windows, batch_size), per_doc.tolist()))
 
     def score_texts(self, queries: Sequence[str], documents: Sequence[str]) -> torch.Tensor:
         """``[B]`` s_emb(q_i, d_i) for aligned lists (Eq. 4)."""

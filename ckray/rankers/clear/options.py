@@ -16,6 +16,11 @@ from ckray.options import option
 LAMBDA_TRAIN_DEFAULTS = {"raw": 0.05, "query-max": 0.5}
 
 
+# every window of a document is read (MaxP): SciFact's held-out training queries chose it over the first window
+# alone (FirstP), and a long document is otherwise known by its beginning only (docs/transfer.md, long documents)
+DEFAULT_PASSAGES = 0
+
+
 @dataclass(frozen=True)
 class CLEAROptions:
     encoder: str = option(DEFAULT_ENCODER, "Hugging Face id or directory of a BERT encoder")
@@ -45,6 +50,9 @@ class DenseIndexOptions:
     float16: bool = option(False, "store embedding shards as float16")
     doc_max_len: int | None = option(None, "encode documents at this many word pieces (default: the checkpoint's "
                                            "doc_max_len)")
+    passages: int = option(DEFAULT_PASSAGES, "encode a document longer than --doc-max-len as up to this many "
+                                             "overlapping windows (0: all of them, the whole document) and score it "
+                                             "by its best one (MaxP); 1: its first window only (FirstP, the paper's)")
     index: str = option("flat", "faiss index kind (flat: exact inner product)", choices=("flat", "hnsw", "ivf", "ivfpq"))
     tune_split: str = option("train", "qrels split whose queries tune λ_test (never test)")
     tune_queries: str = option("held-out", "tune λ_test on the held-out dev queries of --tune-split (those CLEAR did "

@@ -45,7 +45,7 @@ def build_index(args: argparse.Namespace) -> dict:
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
     embed = EmbedConfig(actors=args.actors, use_gpu=args.use_gpu, float16=args.float16,
                         cpus_per_actor=args.cpus_per_actor, doc_max_len=args.doc_max_len,
-                        resources_per_actor=args.resources_per_actor)
+                        passages=args.passages, resources_per_actor=args.resources_per_actor)
     embed.validate()  # the flags are checked before Ray starts
     init_ray()
     # the built index is dropped here: tuning loads it from W/dense/index, as evaluation and Serve do (one copy)
