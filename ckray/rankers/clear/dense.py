@@ -160,12 +160,9 @@ class DocumentEncoder:
         amp = (torch.autocast("cuda", dtype=torch.float16) if self.device.type == "cuda"
                else contextlib.nullcontext())
         with amp:
-            if self.passages == 1:
-                vectors = list(self.model.encode_documents(texts, batch_size=self.encode_batch_size)[:, None])
-            else:
-                length = self.model.config.doc_max_len
-                vectors = self.model.encode_document_passages(texts, self.passages, passage_overlap(length),
-                                                              batch_size=self.encode_batch_size)
+            vectors = self.model.encode_document_passages(texts, self.passages,
+                                                          passage_overlap(self.model.config.doc_max_len),
+                                                          batch_size=self.encode_batch_size)
         timing = timing_columns(len(texts), wall0, cpu0)
         return pa.table({
             "doc_id": pa.array([str(d) for d in batch["doc_id"]], pa.string()),
@@ -390,17 +387,17 @@ class DocIdMap:
         return found[0] if found else None
 
 
-def passage_starts(passage: "np.ndarray | pa.Array | pa.ChunkedArray | None") -> np.ndarray | None:
-    """The rows where each document's passages start, and the row count after them (``[documents + 1]``), from
-    the ``passage`` column of the embedding shards (0 opens a document); None without one: a row per document."""
-    if passage is None:
-        return None
-    if isinstance(passage, (pa.Array, pa.ChunkedArray)):
-        passage = passage.to_numpy() if isinstance(passage, pa.Array) else passage.combine_chunks().to_numpy()
-    passage = np.asarray(passage)
+def documents_of_rows(rows: pa.Table) -> tuple["pa.ChunkedArray", np.ndarray | None]:
+    """``(doc ids, starts)`` of a table with a row per vector (``doc_id``, and ``passage`` where documents have
+    several: 0 opens a document). ``starts``: the rows where each document's passages start, and the row count
+    after them (``[documents + 1]``); None without a ``passage`` column, where each row is a document."""
+    if "passage" not in rows.column_names:
+        return rows.column("doc_id"), None
+    passage = np.asarray(rows.column("passage").to_numpy())
     if len(passage) and passage[0] != 0:
         raise ConfigError("the embedding rows start inside a document (its passage 0 is missing); re-run the embedding job")
-    return np.append(np.flatnonzero(passage == 0), len(passage)).astype(np.int64)
+    starts = np.append(np.flatnonzero(passage == 0), len(passage)).astype(np.int64)
+    return rows.column("doc_id").take(pa.array(starts[:-1])), starts
 
 
 class DenseIndex:
@@ -444,13 +441,12 @@ class DenseIndex:
         index itself the process holds one shard's vectors, the training sample of IVF/PQ
         (``IndexConfig.train_sample`` rows at most) and the doc ids as Arrow strings (:class:`DocIdMap`)."""
         shards = embedding_shard_paths(directory)
-        row_ids = pa.chunked_array([pq.read_table(p, columns=["doc_id"]).column(0) for p in shards], pa.string())
-        with_passages = [("passage" in pq.read_schema(p).names) for p in shards]
-        if any(with_passages) and not all(with_passages):
+        with_passages = {"passage" in pq.read_schema(p).names for p in shards}
+        if len(with_passages) > 1:
             raise ConfigError(f"the embedding shards in {directory} mix passage vectors and one vector per document; "
                               f"re-run the embedding job")
-        groups = passage_starts(pa.chunked_array([pq.read_table(p, columns=["passage"]).column(0) for p in shards])
-                                if all(with_passages) else None)
+        columns = ["doc_id", "passage"] if with_passages == {True} else ["doc_id"]
+        doc_ids, groups = documents_of_rows(pa.concat_tables([pq.read_table(p, columns=columns) for p in shards]))
         dim = pq.read_schema(shards[0]).field("embedding").type.list_size
         starts = np.cumsum([0] + [pq.read_metadata(p).num_rows for p in shards])
 
@@ -469,7 +465,6 @@ class DenseIndex:
         def batches() -> Iterator[np.ndarray]:
             return map(vectors, shards)
 
-        doc_ids = row_ids if groups is None else row_ids.take(pa.array(groups[:-1]))
         return cls._assemble(DocIdMap(doc_ids), dim, sample, batches, config,
                              {**(meta or {}), "embeddings": str(directory)}, groups)
 
@@ -542,8 +537,7 @@ class DenseIndex:
         if index.ntotal != rows.num_rows:
             raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {rows.num_rows} ids; "
                                        f"rebuild it")
-        starts = passage_starts(rows.column("passage") if "passage" in rows.column_names else None)
-        ids = rows.column("doc_id") if starts is None else rows.column("doc_id").take(pa.array(starts[:-1]))
+        ids, starts = documents_of_rows(rows)
         return cls(index, ids, meta, use_gpu=use_gpu, starts=starts)
 
     def _row_table(self) -> pa.Table:
@@ -621,12 +615,13 @@ class DenseIndex:
     def scores(self, query_vector: np.ndarray, doc_ids: Sequence[str]) -> np.ndarray:
         """s_emb(q, d) for each of ``doc_ids`` from the stored vectors: ``v_q · v_d``, or the best passage's
         product where documents are stored as passages (MaxP)."""
-        rows = self._rows(doc_ids)
         q = np.asarray(query_vector, np.float32).reshape(-1)
-        if self.starts is None:
-            return self.vectors(doc_ids) @ q if rows else np.zeros(0, np.float32)
-        return np.array([max(float(self.index.reconstruct(int(r)) @ q)
-                             for r in range(self.starts[d], self.starts[d + 1])) for d in rows], np.float32)
+        return np.array([max(float(self.index.reconstruct(int(r)) @ q) for r in self._passage_rows(d))
+                         for d in self._rows(doc_ids)], np.float32)
+
+    def _passage_rows(self, doc: int) -> range:
+        """The faiss rows of document ``doc``'s vectors."""
+        return range(doc, doc + 1) if self.starts is None else range(self.starts[doc], self.starts[doc + 1])
 
     def _rows(self, doc_ids: Sequence[str]) -> list[int]:
         rows = [self.doc_ids.row(d) for d in doc_ids]
