@@ -514,3 +514,20 @@ def test_doc_id_map_finds_rows_refuses_unknown_ids_and_names_a_duplicate():
     assert "b" in index and "z" not in index
     with pytest.raises(KeyError, match="'z' is not in the dense index"):
         index.vectors(["a", "z"])
+
+
+def test_bad_passage_settings_and_shards_are_errors_naming_what_is_wrong(tmp_path):
+    with pytest.raises(ConfigError, match=r"EmbedConfig: passages must be >= 0"):
+        EmbedConfig(passages=-1).validate()
+    x = np.random.default_rng(5).normal(size=(5, 8)).astype(np.float32)
+    out = tmp_path / "emb"
+    write_embedding_shard(out / shard_name(0), ["a", "a", "b"], [x[:3]], False, {}, passage=[0, 1, 0])
+    write_embedding_shard(out / shard_name(1), ["c", "d"], [x[3:]], False, {})        # one vector per document
+    with pytest.raises(ConfigError, match=f"the embedding shards in {out} mix passage vectors and one vector per"):
+        DenseIndex.from_shards(out)
+    write_embedding_shard(out / shard_name(1), ["c", "c"], [x[3:]], False, {}, passage=[0, 1])
+    index = DenseIndex.from_shards(out)                  # both shards with passages: three documents, five vectors
+    assert (len(index), index.meta["count"]) == (3, 5)
+    write_embedding_shard(out / shard_name(0), ["a"], [x[:1]], False, {}, passage=[1])
+    with pytest.raises(ConfigError, match=r"start inside a document \(its passage 0 is missing\)"):
+        DenseIndex.from_shards(out)
