@@ -102,6 +102,8 @@ def main() -> None:
         p.add_argument("--cpus-per-actor", type=float, default=2.0)
         p.add_argument("--expansion-candidates", type=int, default=None, help="default: the index job's (256)")
         p.add_argument("--candidate-pool", choices=("window", "position"), default=None, help="default: the job's")
+        p.add_argument("--passages", type=int, default=None,
+                       help="windows of a long document read (0: all; 1: the first); default: the job's (0)")
 
     parsed = impact_bench_arguments(__doc__, flags)
     if parsed is None:
@@ -113,7 +115,8 @@ def main() -> None:
     from ckray.lexical.bm25 import bm25_retriever
 
     candidates = {k: v for k, v in (("expansion_candidates", args.expansion_candidates),
-                                    ("candidate_pool", args.candidate_pool)) if v is not None}
+                                    ("candidate_pool", args.candidate_pool), ("passages", args.passages))
+                  if v is not None}
     ks = sorted(int(k) for k in args.ks.split(","))
     out = Path(args.out or w / "impact-topk")
     splits = measurement_splits(data, args.split)

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 from ckray.cli import base_parser, run_job  # noqa: E402
 
 IMPACT_FLAGS = ("top_k", "explicit_weight")   # of the CK-QTI impact index job's options, passed on
-DENSE_FLAGS = ("doc_max_len", "passages", "lambda_rule")  # of the CLEAR dense index job's options, passed on
+DENSE_FLAGS = ("doc_max_len", "lambda_rule")  # of the CLEAR dense index job's options, passed on
+BOTH_FLAGS = ("passages",)                    # of both jobs: how much of a long document is read
 
 
 def _given(args, flags: tuple[str, ...]) -> dict:
@@ -33,7 +34,7 @@ def main(args) -> None:
     from ckray.options import options_from_args
 
     from_workdir = str(Path(args.from_workdir) / "checkpoints") if args.from_workdir else None
-    index_options = {"ck-qti": _given(args, IMPACT_FLAGS), "clear": _given(args, DENSE_FLAGS)}
+    index_options = {"ck-qti": _given(args, IMPACT_FLAGS + BOTH_FLAGS), "clear": _given(args, DENSE_FLAGS + BOTH_FLAGS)}
     c = options_from_args(BenchmarkConfig, args, checkpoints=from_workdir,   # --checkpoints wins
                           index_options=index_options)
     table = run_benchmark(c)
@@ -51,7 +52,8 @@ def parser():
     p.add_argument("--from-workdir", default=None, metavar="W",
                    help="the training work directory: its W/checkpoints (instead of --checkpoints)")
     add_options(p, ImpactIndexOptions, "CK-QTI impact index", only=IMPACT_FLAGS)
-    return add_options(p, DenseIndexOptions, "CLEAR dense index", only=DENSE_FLAGS)
+    add_options(p, DenseIndexOptions, "CLEAR dense index", only=DENSE_FLAGS)
+    return add_options(p, ImpactIndexOptions, "long documents (CK-QTI and CLEAR indexes)", only=BOTH_FLAGS)
 
 
 if __name__ == "__main__":

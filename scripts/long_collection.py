@@ -3,9 +3,12 @@
 Each new document joins ``k`` of the source's documents (shuffled; ``k`` drawn from --sizes with --weights), so
 lengths run from one abstract to thousands of words; a query's relevant documents are those holding one of its
 judged documents, at that judgement. Only the source's --split qrels and their queries are written, as ``test``:
-the collection is for reporting how a pipeline reads long documents, never for choosing anything.
+made from test queries, the collection is for reporting how a pipeline reads long documents, never for choosing
+anything. ``--held-out`` keeps instead the held-out training queries (``ckray.fusion.dev_queries``: those training
+left out, where settings are chosen), over the same documents: a long-document dev collection.
 
     python scripts/long_collection.py --data ../shared/data/scifact --out T/longsci      # 441 documents, 190 queries
+    python scripts/long_collection.py --data ../shared/data/scifact --out T/longsci-dev --held-out   # 441, 79 queries
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2,4,8,16,32,64,300", help="source documents joined per new document")
     p.add_argument("--weights", default="40,20,15,10,6,4,3,0.3", help="relative frequency of each size")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--held-out", action="store_true",
+                   help="keep the held-out queries of the source's train split (its dev queries) instead of --split's")
     a = p.parse_args()
     src, out, rng = Path(a.data), Path(a.out), random.Random(a.seed)
     sizes, weights = [int(x) for x in a.sizes.split(",")], [float(x) for x in a.weights.split(",")]
@@ -44,8 +49,14 @@ def main() -> None:
         holder.update({d["_id"]: doc_id for d in part})
         joined.append({"_id": doc_id, "title": part[0].get("title", ""),
                        "text": "\n\n".join(f"{d.get('title', '')}. {d.get('text', '')}" for d in part)})
+    source = read_beir_qrels(src / "qrels" / ("train.tsv" if a.held_out else f"{a.split}.tsv"))
+    if a.held_out:
+        from ckray.data.collections import read_queries_and_qrels
+        from ckray.fusion import dev_queries
+
+        source = dev_queries(read_queries_and_qrels(src)[0], {"train": source}, max_queries=10**6)[1]
     qrels = {}
-    for q, judged in read_beir_qrels(src / "qrels" / f"{a.split}.tsv").items():
+    for q, judged in source.items():
         kept = {}
         for d, grade in judged.items():
             if d in holder:

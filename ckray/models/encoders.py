@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,32 @@ def resolve_encoder(name_or_path: str | None = None) -> str:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_encoder(name_or_path))
+
+
+def passage_overlap(window: int) -> int:
+    """Word pieces two consecutive windows of a long document share: a quarter of the window, so a sentence
+    cut at one window's end is read whole by the next."""
+    return window // 4
+
+
+def document_windows(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int, max_windows: int = 0,
+                     overlap: int | None = None, add_special_tokens: bool = True) -> tuple[list[list[int]], list[int]]:
+    """Each text as windows of at most ``max_length`` word pieces (special tokens included when
+    ``add_special_tokens``), consecutive windows sharing ``overlap`` pieces (default
+    :func:`passage_overlap`), in order, from the tokenizer's own overflow (``return_overflowing_tokens``,
+    ``stride``); the first ``max_windows`` of each text (0: all, the whole text). Returns ``(windows,
+    windows per text)``: a text that fits one window, or an empty one, gets exactly the one its truncated
+    encoding would be."""
+    enc = tokenizer(list(texts), add_special_tokens=add_special_tokens, truncation=True, max_length=max_length,
+                    stride=passage_overlap(max_length) if overlap is None else overlap,
+                    return_overflowing_tokens=True)
+    windows: list[list[int]] = []
+    per_text = [0] * len(texts)
+    for ids, text in zip(enc["input_ids"], enc["overflow_to_sample_mapping"]):
+        if not max_windows or per_text[text] < max_windows:   # a text's windows come in order
+            per_text[text] += 1
+            windows.append(ids)
+    return windows, per_text
 
 
 def load_encoder(name_or_path: str | None = None, num_layers: int | None = None) -> PreTrainedModel:

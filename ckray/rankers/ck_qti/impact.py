@@ -38,6 +38,15 @@ All candidates are scored exactly with ``CKModel.term_scores`` (s_td = ReLU(α·
 are dropped. The model's score for a (query, document) pair over the kept terms is therefore
 exactly Σ of the stored weights of the query's terms.
 
+**Long documents** (``passages``, default 0: all). A document longer than the checkpoint's ``max_doc_len``
+is read as windows of that many word pieces, a quarter of each shared with the next
+(``ckray.models.encoders.document_windows``); each window is scored as above as a document of its own
+(its own terms, expansion candidates, top-k), and the document keeps every term of any window at its
+best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). A weight still depends on the term and
+the document only, so QTI and the index are unchanged, and a term counts wherever the document holds
+it, as BM25 counts it. ``passages=1`` reads the first window only (the truncation training reads); a
+document that fits one window is scored the same either way.
+
 **Exact-match weight at indexing** (``explicit_weight`` β, default 0.5). The stored impact may add the
 model's own explicit score once more, ``w_td = s_td + β·s_explicit_td`` (Eq. 9: its learned, batch-scaled
 BM25; 0 for a term not in the document), before the top-k cut. This is still one weight per (term,
@@ -101,7 +110,7 @@ from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, 
 from ckray.data.statistics import has_corpus
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
-from ckray.rankers.ck_qti.options import DEFAULT_EXPLICIT_WEIGHT, DEFAULT_TOP_K
+from ckray.rankers.ck_qti.options import DEFAULT_EXPLICIT_WEIGHT, DEFAULT_PASSAGES, DEFAULT_TOP_K
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -166,6 +175,11 @@ class ImpactConfig(ActorPoolConfig):
     scale:                 a fixed quantisation scale instead (e.g. to match another index); None = from quant_max.
     token_budget:          word pieces (documents × padded length) per forward pass inside an actor.
     index_threads:         Lucene indexing threads.
+    passages:              a document longer than the checkpoint's ``max_doc_len`` is read as up to this many
+                           windows of that length, a quarter of each shared with the next
+                           (``ckray.models.encoders.passage_overlap``), each scored as a document, and a term's
+                           weight is its best window's (module docstring); 0: every window, the whole document;
+                           1: the first window only (as trained).
     """
 
     top_k: int = DEFAULT_TOP_K             # both chosen on SciFact's held-out training queries (module docstring)
@@ -178,6 +192,7 @@ class ImpactConfig(ActorPoolConfig):
     batch_size: int = 64
     token_budget: int = 8192
     index_threads: int = 2
+    passages: int = DEFAULT_PASSAGES
 
     def validate(self) -> None:
         validate_checks(self, self.pool_checks() + [
@@ -192,12 +207,13 @@ class ImpactConfig(ActorPoolConfig):
             (self.scale is None or self.scale > 0, "scale must be > 0"),
             (self.token_budget >= 1, "token_budget must be >= 1"),
             (self.index_threads >= 1, "index_threads must be >= 1"),
+            (self.passages >= 0, "passages (--passages) must be >= 0 (0: every window of a document)"),
         ])
 
     def scoring_settings(self) -> dict:
         """The settings that change the stored w_td (part of every shard's stamp)."""
         settings = {"top_k": self.top_k, "expansion_candidates": self.expansion_candidates,
-                    "candidate_pool": self.candidate_pool}
+                    "candidate_pool": self.candidate_pool, "passages": self.passages}
         if self.explicit_weight:  # absent at 0, so shards built at 0 keep their stamps
             settings["explicit_weight"] = self.explicit_weight
         if self.expansion_ratio is not None:  # absent without a cap, likewise
@@ -447,39 +463,68 @@ class TermImpactScorer:
         return out
 
     def score_texts(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Impact vectors of document texts (``doc_text(title, text)``), in input order.
-
-        Documents are tokenised once, sorted by length and encoded in groups of at most
-        ``token_budget`` padded word pieces (padding changes scores only by float rounding, ~1e-6; it
-        costs time). Terms tied at the top-k cut to that precision may swap between batchings."""
-        import torch
-
-        from ckray.rankers.ck_qti.model import tokenize
+        """Impact vectors of document texts (``doc_text(title, text)``), in input order: each window of
+        ``max_doc_len`` word pieces scored (:meth:`score_pieces`; the first ``passages``, 0: all), a
+        term's weight its best window's (:func:`best_window_weights`). A document that fits one window
+        is scored as one document, as before."""
+        from ckray.models.encoders import document_windows, load_tokenizer
 
         if not len(texts):
             return []
         cfg = self.model.config
-        ids, mask = tokenize(list(texts), cfg.max_doc_len, cfg.encoder)
-        lengths = mask.sum(1).tolist()
-        order = sorted(range(len(texts)), key=lambda i: lengths[i])
-        out: list[Any] = [None] * len(texts)
+        windows, per_text = document_windows(load_tokenizer(cfg.encoder), texts, cfg.max_doc_len, self.config.passages,
+                                             add_special_tokens=False)   # as ck_qti.model.tokenize reads one
+        scored = self.score_pieces(windows)
+        starts = np.cumsum([0] + per_text)
+        return [best_window_weights(scored[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+
+    def score_pieces(self, pieces: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Impact vectors of word-piece sequences (each one document as the model reads it), in input order.
+
+        Sorted by length and encoded in groups of at most ``token_budget`` padded word pieces (padding
+        changes scores only by float rounding, ~1e-6; it costs time). Terms tied at the top-k cut to that
+        precision may swap between batchings."""
+        import torch
+
+        lengths = [len(p) for p in pieces]
+        out: list[Any] = [None] * len(pieces)
         group: list[int] = []
 
         def flush() -> None:
             n = max(1, max(lengths[i] for i in group))
-            sel = torch.tensor(group)
+            ids = torch.zeros(len(group), n, dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, :lengths[i]] = torch.as_tensor(pieces[i], dtype=torch.long)
+            mask = torch.arange(n)[None, :] < torch.as_tensor([lengths[i] for i in group])[:, None]
             with torch.no_grad():
-                doc = self.model.encode_documents(ids[sel, :n].to(self.device), mask[sel, :n].to(self.device))
+                doc = self.model.encode_documents(ids.to(self.device), mask.to(self.device))
                 for i, res in zip(group, self.score_encoded(doc)):
                     out[i] = res
             group.clear()
 
-        for i in order:
+        for i in sorted(range(len(pieces)), key=lambda i: lengths[i]):
             if group and (len(group) + 1) * max(lengths[i], 1) > self.config.token_budget:
                 flush()
             group.append(i)
-        flush()
+        if group:
+            flush()
         return out
+
+
+def best_window_weights(windows: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """One impact vector from a document's windows' vectors: every term kept in any window, at its best
+    window's weight, w_td = max_p w_tp, descending. A term's weight still depends on the term and the
+    document alone, so query term independence and the index are unchanged; a query is scored by
+    Σ_t max_p w_tp, each term where the document treats it best (term-level MaxP). One window: itself."""
+    if len(windows) == 1:
+        return windows[0]
+    terms = np.concatenate([t for t, _ in windows])
+    weights = np.concatenate([w for _, w in windows])
+    order = np.argsort(-weights, kind="stable")
+    terms, weights = terms[order], weights[order]
+    _, first = np.unique(terms, return_index=True)   # each term's first, i.e. largest, occurrence
+    keep = np.sort(first)
+    return terms[keep], weights[keep]
 
 
 # =============================================================================================

@@ -40,6 +40,9 @@ class CKQTIOptions:
 # both chosen on SciFact's held-out training queries (ckray/rankers/ck_qti/impact.py's docstring)
 DEFAULT_TOP_K = 256
 DEFAULT_EXPLICIT_WEIGHT = 0.5
+# every window of a long document is read and a term weighs what its best window gives it: a long-document collection
+# of SciFact's held-out training queries chose it over the first window alone (docs/transfer.md, long documents)
+DEFAULT_PASSAGES = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class ImpactIndexOptions:
                                  choices=("window", "position"))
     quant_max: int = option(255, "integer the largest weight maps to")
     scale: float | None = option(None, "fixed quantisation scale, overriding --quant-max (default: from --quant-max)")
+    passages: int = option(DEFAULT_PASSAGES, "read a document longer than the checkpoint's max_doc_len as up to this "
+                                             "many overlapping windows, a term weighing what its best window gives it "
+                                             "(0: every window, the whole document; 1: the first only, as trained)")
     save_settings: bool = option(False, "save this --top-k and --explicit-weight with the checkpoint (deploy.json), "
                                         "as chosen on its training collection's held-out queries: indexes of other "
                                         "collections then use them")

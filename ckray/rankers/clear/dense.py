@@ -62,6 +62,7 @@ from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_p
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, DEFAULT_LAMBDA_RULE, Candidates, Run, check_hybrid_normalization,
                           check_weight_rule, grid_search, judged_queries, linear_fusion)
+from ckray.models.encoders import passage_overlap
 from ckray.rankers.clear.options import DEFAULT_PASSAGES
 from ckray.workdir import WorkDir
 
@@ -123,12 +124,6 @@ class EmbedConfig(ActorPoolConfig):
             (self.doc_max_len is None or self.doc_max_len >= 1, "doc_max_len must be >= 1"),
             (self.passages >= 0, "passages must be >= 0 (0: every window of a document)"),
             (self.encode_batch_size >= 1, "encode_batch_size must be >= 1")])
-
-
-def passage_overlap(doc_max_len: int) -> int:
-    """Word pieces two consecutive passage windows share: a quarter of the window, so a sentence cut at one
-    window's end is read whole by the next."""
-    return doc_max_len // 4
 
 
 class DocumentEncoder:

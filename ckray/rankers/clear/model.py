@@ -50,8 +50,8 @@ from torch import nn
 from transformers import AutoModel
 
 from ckray.errors import ConfigError
-from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, encoder_config, load_tokenizer, mean_pool,
-                                   resolve_encoder)
+from ckray.models.encoders import (DEFAULT_ENCODER, architecture_of, document_windows, encoder_config, load_tokenizer,
+                                   mean_pool, resolve_encoder)
 from ckray.models.losses import pairwise_loss
 
 
@@ -258,15 +258,8 @@ class CLEAR(nn.Module):
         :meth:`encode_documents` gives it. No gradient."""
         if not len(documents):
             return []
-        enc = self.tokenizer(list(documents), truncation=True, max_length=self.config.doc_max_len, stride=overlap,
-                             return_overflowing_tokens=True)
-        windows: list[list[int]] = []
-        per_doc = np.zeros(len(documents), np.int64)
-        for ids, doc in zip(enc["input_ids"], enc["overflow_to_sample_mapping"]):
-            if not max_passages or per_doc[doc] < max_passages:   # a document's windows come in order
-                per_doc[doc] += 1
-                windows.append(ids)
-        return list(torch.split(self._encode_ids(self.doc_layers, windows, batch_size), per_doc.tolist()))
+        windows, per_doc = document_windows(self.tokenizer, documents, self.config.doc_max_len, max_passages, overlap)
+        return list(torch.split(self._encode_ids(self.doc_layers, windows, batch_size), per_doc))
 
     def score_texts(self, queries: Sequence[str], documents: Sequence[str]) -> torch.Tensor:
         """``[B]`` s_emb(q_i, d_i) for aligned lists (Eq. 4)."""
