@@ -189,6 +189,7 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
     assert used["bm25+ck-qti"]["fusion_weight"]["source"] == str(deploy_path((trained / "ck-qti").resolve()))
     assert table["settings"]["sample"]["clear"]["lambda"]["source"].startswith("tuned on")
     assert used["ck-qti"]["impact"]["expansion_ratio"] == used["bm25+ck-qti"]["reranker_impact"]["expansion_ratio"] == 1.0
+    assert used["ck-qti"]["impact"]["passages"] == used["bm25+ck-qti"]["reranker_impact"]["passages"] == 0  # all windows
     # CK-QTI's index on the target: the target's IDF and mean length
     meta = read_index_meta(impact_index_dir(root / "target"))
     n_target = len((target / "corpus.jsonl").read_text().splitlines())

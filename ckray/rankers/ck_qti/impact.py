@@ -222,11 +222,12 @@ class ImpactConfig(ActorPoolConfig):
 
 
 def recorded_settings(record: Mapping[str, Any], source: str) -> dict:
-    """The top-k, β and expansion cap that an index's metadata or a shard's marker (``record``)
-    holds, with where they came from: what an evaluation records."""
+    """The top-k, β, expansion cap and windows read that an index's metadata or a shard's marker
+    (``record``) holds, with where they came from: what an evaluation records. A record without
+    ``passages`` was made before long documents were read in windows: from the first one."""
     cap = {"expansion_ratio": record["expansion_ratio"]} if "expansion_ratio" in record else {}
     return {"top_k": record.get("top_k"), "explicit_weight": record.get("explicit_weight", 0.0), **cap,
-            "source": source}
+            "passages": record.get("passages", 1), "source": source}
 
 
 def cap_expansion(terms: np.ndarray, weights: np.ndarray, own: np.ndarray,

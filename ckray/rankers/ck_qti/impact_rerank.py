@@ -146,7 +146,7 @@ class ImpactReranker:
             return {"reranker_impact": recorded_settings(read_json(marker_path(self.shards[0])),
                                                          f"impact shards {impact_shards_dir(self.workdir)}"), **terms}
         return {"reranker_impact": {"top_k": self.config.top_k, "explicit_weight": self.config.explicit_weight,
-                                    "source": self.settings_source}, **terms}
+                                    "passages": self.config.passages, "source": self.settings_source}, **terms}
 
     def _compute(self, doc_ids: list[str]) -> None:
         if self._scorer is None:
