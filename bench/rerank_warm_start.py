@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from ckray.data.collections import read_queries_and_qrels  # noqa: E402
 from ckray.data.docstore import DocStore  # noqa: E402
 from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
-from ckray.eval import paired_difference, per_query  # noqa: E402
+from ckray.eval import paired_difference, per_query_values  # noqa: E402
 from ckray.rankers.cedr.model import KNRM_PROBE_TRIPLES  # noqa: E402
 
 CEDR_SETTINGS = dict(max_length=256, max_segments=2)        # the CEDR runs of record (docs/results.md)
@@ -87,8 +87,7 @@ def per_query_ndcg(pairs: list[tuple[str, str]], scores: torch.Tensor, qrels) ->
     run: dict[str, list[tuple[str, float]]] = {}
     for (q, d), s in zip(pairs, scores.tolist()):
         run.setdefault(q, []).append((d, float(s)))
-    values = per_query(run, qrels, ("nDCG@10",))
-    return [values.get(q, {}).get("nDCG@10", 0.0) for q in sorted(qrels)]
+    return per_query_values(run, qrels)
 
 
 def biencoder_scores(queries, pairs, texts, batch_size: int) -> torch.Tensor:

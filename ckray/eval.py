@@ -37,6 +37,13 @@ def per_query(run: Run, qrels: Qrels, measures=DEFAULT_MEASURES) -> dict[str, di
     return out
 
 
+def per_query_values(run: Run, qrels: Qrels, measure: str = "nDCG@10") -> list[float]:
+    """``measure`` of each query of ``qrels`` in sorted order, 0 for one the run misses or that has no
+    judgments: the aligned lists :func:`paired_difference` compares."""
+    values = per_query(run, qrels, (measure,))
+    return [values.get(q, {}).get(measure, 0.0) for q in sorted(qrels)]
+
+
 def ndcg_at_10(run: Run, qrels: Qrels) -> float:
     return evaluate(run, qrels, ("nDCG@10",))["nDCG@10"]
 

@@ -211,14 +211,13 @@ def grid_search(fused: Callable[[float], Run], qrels: Mapping[str, Mapping[str, 
     """The weight of ``grid`` that ``rule`` (``"best"`` or ``"one-se"``, module docstring) chooses for
     the runs ``fused(weight)`` on ``qrels``. Returns ``(chosen, {weight: nDCG@10})``, the table in
     ascending weight order."""
-    from ckray.eval import per_query
+    from ckray.eval import per_query_values
 
     if rule not in WEIGHT_RULES:
         raise ConfigError(f"unknown rule for choosing {name}: {rule!r} (one of {', '.join(WEIGHT_RULES)})")
     per_weight = {}
     for w in sorted(float(x) for x in grid):
-        scores = per_query(fused(w), qrels, ("nDCG@10",))
-        per_weight[w] = [scores.get(q, {}).get("nDCG@10", 0.0) for q in qrels]
+        per_weight[w] = per_query_values(fused(w), qrels)
     table = {w: sum(v) / len(v) for w, v in per_weight.items()}
     best = max(table, key=lambda w: (table[w], -w))
     chosen = best if rule == "best" else max(

@@ -18,7 +18,8 @@ import json
 import random
 from pathlib import Path
 
-from ckray.data.collections import read_beir_qrels
+from ckray.data.collections import read_beir_qrels, read_queries_and_qrels
+from ckray.fusion import dev_queries
 
 
 def main() -> None:
@@ -49,12 +50,10 @@ def main() -> None:
         holder.update({d["_id"]: doc_id for d in part})
         joined.append({"_id": doc_id, "title": part[0].get("title", ""),
                        "text": "\n\n".join(f"{d.get('title', '')}. {d.get('text', '')}" for d in part)})
-    source = read_beir_qrels(src / "qrels" / ("train.tsv" if a.held_out else f"{a.split}.tsv"))
     if a.held_out:
-        from ckray.data.collections import read_queries_and_qrels
-        from ckray.fusion import dev_queries
-
-        source = dev_queries(read_queries_and_qrels(src)[0], {"train": source}, max_queries=10**6)[1]
+        source = dev_queries(*read_queries_and_qrels(src), max_queries=10**6)[1]
+    else:
+        source = read_beir_qrels(src / "qrels" / f"{a.split}.tsv")
     qrels = {}
     for q, judged in source.items():
         kept = {}

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ckray.data.collections import read_queries_and_qrels, read_trec_run
-from ckray.eval import paired_difference, per_query
+from ckray.eval import paired_difference, per_query_values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'run':<32} {'A':>7} {'B':>7} {'A − B':>8} {'± se':>7}  ({args.measure}, {len(qrels)} queries)")
     for name in names:
-        a, b = (per_query(read_trec_run(w / "runs" / name), qrels, (args.measure,)) for w in (args.a, args.b))
-        va, vb = ([s.get(q, {}).get(args.measure, 0.0) for q in sorted(qrels)] for s in (a, b))
+        va, vb = (per_query_values(read_trec_run(w / "runs" / name), qrels, args.measure) for w in (args.a, args.b))
         diff, se = paired_difference(va, vb)
         print(f"{name[:-len(f'-{args.split}.trec')]:<32} {sum(va) / len(va):>7.4f} {sum(vb) / len(vb):>7.4f} "
               f"{diff:>+8.4f} {se:>7.4f}")

@@ -487,18 +487,16 @@ class TermImpactScorer:
         precision may swap between batchings."""
         import torch
 
+        from ckray.rankers.ck_qti.model import pad_term_lists
+
         lengths = [len(p) for p in pieces]
         out: list[Any] = [None] * len(pieces)
         group: list[int] = []
 
         def flush() -> None:
-            n = max(1, max(lengths[i] for i in group))
-            ids = torch.zeros(len(group), n, dtype=torch.long)
-            for row, i in enumerate(group):
-                ids[row, :lengths[i]] = torch.as_tensor(pieces[i], dtype=torch.long)
-            mask = torch.arange(n)[None, :] < torch.as_tensor([lengths[i] for i in group])[:, None]
+            ids, mask = pad_term_lists([torch.as_tensor(pieces[i], dtype=torch.long) for i in group], self.device)
             with torch.no_grad():
-                doc = self.model.encode_documents(ids.to(self.device), mask.to(self.device))
+                doc = self.model.encode_documents(ids, mask)
                 for i, res in zip(group, self.score_encoded(doc)):
                     out[i] = res
             group.clear()
