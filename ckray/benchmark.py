@@ -29,6 +29,7 @@ from typing import Any
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import DEFAULT_WEIGHT_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
+from ckray.rerank import DEFAULT_RERANK_PASSAGES
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class BenchmarkConfig:
     measure: str = option("nDCG@10", "measure of the table")
     k: int = option(1000, "results kept per query")
     rerank_depth: int = option(100, "first-stage results a reranker rescores")
+    rerank_passages: int = option(DEFAULT_RERANK_PASSAGES, "windows of a long document a cross-encoder reranker "
+                                  "reads (jobs/evaluate.py --rerank-passages): 0 every one, 1 the first")
     shards: int = option(4, "corpus shards per collection")
     index_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float | None = option(None, "CLEAR's λ_test instead of the carried one", flag="--lambda")
@@ -164,7 +167,7 @@ def benchmark_collection(config: BenchmarkConfig, data: str, workdir: Path) -> d
     return api.evaluate(config.pipelines, data, workdir, split=config.split, k=config.k,
                         rerank_depth=config.rerank_depth, lam=config.lam,
                         hybrid_normalization=config.hybrid_normalization, fusion_weight=config.fusion_weight,
-                        weight_rule=config.weight_rule)
+                        weight_rule=config.weight_rule, rerank_passages=config.rerank_passages)
 
 
 def run_benchmark(config: BenchmarkConfig) -> dict:

@@ -14,6 +14,7 @@ from ckray.data.shards import write_json_atomic
 from ckray.errors import ConfigError
 from ckray.fusion import DEFAULT_WEIGHT_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
+from ckray.rerank import DEFAULT_RERANK_PASSAGES
 from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
 
@@ -39,6 +40,9 @@ class EvaluateConfig:
     fusion_weight: float | None = option(None, "w of every first+reranker (default: tuned on the dev training "
                                                "queries, or, on a collection without them, the one saved in the "
                                                "reranker checkpoint's deploy.json)")
+    rerank_passages: int = option(DEFAULT_RERANK_PASSAGES, "windows of a long document a cross-encoder reranker reads, "
+                                  "each as many word pieces as one of its inputs holds, the document scoring as "
+                                  "its best window: 0 every one, 1 the first (cut as in training), N the first N")
     weight_rule: str = option(DEFAULT_WEIGHT_RULE, "how w is chosen from the dev queries' grid: one-se (the largest "
                                                  "w within one standard error of the best: leans on the first "
                                                  "stage, which transfers) or best (the argmax)", choices=WEIGHT_RULES)
@@ -47,6 +51,9 @@ class EvaluateConfig:
         for name in ("k", "rerank_depth"):
             if getattr(self, name) < 1:
                 raise ConfigError.invalid("EvaluateConfig", name, f"must be >= 1, got {getattr(self, name)}")
+        if self.rerank_passages < 0:
+            raise ConfigError.invalid("EvaluateConfig", "rerank_passages",
+                                      f"must be >= 0 (0: every window), got {self.rerank_passages}")
         if not self.pipelines:
             raise ConfigError.invalid("EvaluateConfig", "pipelines", "must name at least one pipeline")
         check_weight_rule("EvaluateConfig", self.weight_rule)
@@ -60,18 +67,22 @@ def metrics_path(workdir, pipeline: str, split: str) -> Path:
     return WorkDir(workdir).metrics(pipeline, split)
 
 
-def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str) -> dict[str, str]:
+def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str,
+                         passages: int = DEFAULT_RERANK_PASSAGES) -> dict[str, str | int]:
     """What a tuned ``first+reranker`` weight depends on besides the depth: the reranker checkpoint
-    (``checkpoint_digest``) and the first stage's index (``first_stage_digest``)."""
+    (``checkpoint_digest``), the first stage's index (``first_stage_digest``) and the windows of a long
+    document the reranker reads (``reranker_passages``)."""
     from ckray.models.checkpoint import checkpoint_digest
-    from ckray.pipelines import checkpoint_dir, first_stage_digest
+    from ckray.pipelines import checkpoint_dir, first_stage_digest, reranker_passages
 
     return {"checkpoint_stamp": checkpoint_digest(checkpoint_dir(workdir, reranker)),
-            "first_stage_stamp": first_stage_digest(workdir, first)}
+            "first_stage_stamp": first_stage_digest(workdir, first),
+            "reranker_passages": reranker_passages(reranker, passages)}
 
 
 def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
-                       train_split: str = "train", rule: str | None = None):
+                       train_split: str = "train", rule: str | None = None,
+                       rerank_passages: int = DEFAULT_RERANK_PASSAGES):
     """Tune w of a ``first+reranker`` pipeline on the dev split of the *training* queries (the ones the
     reranker validated on, never test queries) and save it to ``W/fusion`` (``ckray.fusion``)."""
     from ckray.fusion import dev_queries, save_interpolation, tune_weight
@@ -83,12 +94,13 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
         raise ConfigError(f"{pipeline}: no dev queries in the {train_split!r} split to tune the interpolation on")
     log.info("%s: tuning the interpolation weight on %d dev (training) queries at depth %d",
              pipeline, len(dev_q), rerank_depth)
-    pipe = build_pipeline(f"{first}>{reranker}", workdir, rerank_depth=rerank_depth)
+    pipe = build_pipeline(f"{first}>{reranker}", workdir, rerank_depth=rerank_depth,
+                          reranker_options={"passages": rerank_passages})
     first_run = pipe.retriever.search(dev_q, k=rerank_depth)
     reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
     config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth,
                                              rule=rule or DEFAULT_WEIGHT_RULE),
-                                 **interpolation_stamps(workdir, first, reranker))
+                                 **interpolation_stamps(workdir, first, reranker, rerank_passages))
     save_interpolation(workdir, first, reranker, config)
     save_with_checkpoint(workdir, first, reranker, config)
     return config
@@ -102,11 +114,12 @@ def save_with_checkpoint(workdir: str, first: str, reranker: str, config) -> Non
 
     save_fusion_weight(checkpoint_dir(workdir, reranker), first, {
         "weight": config.weight, "depth": config.depth, "rule": config.rule,
-        "first_stage_models": first_stage_models(workdir, first),
+        "reranker_passages": config.reranker_passages, "first_stage_models": first_stage_models(workdir, first),
         "tuned_on": {"workdir": str(Path(workdir).resolve()), "dev_queries": config.dev_queries}})
 
 
-def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: int):
+def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: int,
+                        rerank_passages: int = DEFAULT_RERANK_PASSAGES):
     """For a collection with no training queries: the ``w`` saved with the reranker's checkpoint for
     this first stage (``ckray.deploy``), written to ``W/fusion`` with its ``source`` and this work
     directory's stamps. A MissingArtifactError when none was saved; a ConfigError when the saved ones
@@ -137,34 +150,42 @@ def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: i
     if int(carried.get("depth", rerank_depth)) != rerank_depth:
         log.warning("%s+%s: w = %s was tuned at rerank depth %s, used here at %d", first, reranker,
                     carried["weight"], carried.get("depth"), rerank_depth)
+    stamps = interpolation_stamps(workdir, first, reranker, rerank_passages)
+    if int(carried.get("reranker_passages", 1)) != stamps["reranker_passages"]:
+        log.warning("%s+%s: w = %s was tuned with the reranker reading %s window(s) of a long document, used here "
+                    "with %s (0: every one)", first, reranker, carried["weight"], carried.get("reranker_passages", 1),
+                    stamps["reranker_passages"])
     config = InterpolationConfig(weight=float(carried["weight"]), depth=rerank_depth,
                                  table={}, source=source_of(checkpoint), rule=carried.get("rule", "best"),
-                                 **interpolation_stamps(workdir, first, reranker))
+                                 **stamps)
     save_interpolation(workdir, first, reranker, config)
     return config
 
 
 def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
-                         train_split: str = "train", rule: str | None = None):
+                         train_split: str = "train", rule: str | None = None,
+                         rerank_passages: int = DEFAULT_RERANK_PASSAGES):
     """The weight of a ``first+reranker`` pipeline: the saved one when it was tuned (or carried) at this
     depth for this checkpoint on this first-stage index; otherwise tuned again on the dev split of
     ``train_split`` (``tune_interpolation``) or, when the collection has no such split, the one saved
     with the checkpoint (``carry_interpolation``). ``rule``: how a tuned ``w`` is chosen
-    (``ckray.fusion.grid_search``; default ``DEFAULT_WEIGHT_RULE``); one chosen by another is tuned again."""
+    (``ckray.fusion.grid_search``; default ``DEFAULT_WEIGHT_RULE``); one chosen by another is tuned again,
+    as is one tuned with the reranker reading other windows of long documents (``rerank_passages``)."""
     from ckray.fusion import fusion_path, load_interpolation
     from ckray.pipelines import parse_pipeline
 
     rule = rule or DEFAULT_WEIGHT_RULE
     first, reranker = parse_pipeline(pipeline)
     tuned = load_interpolation(workdir, first, reranker) if fusion_path(workdir, first, reranker).exists() else None
-    stamps = interpolation_stamps(workdir, first, reranker)
+    stamps = interpolation_stamps(workdir, first, reranker, rerank_passages)
     if (tuned is None or tuned.depth != rerank_depth or tuned.source   # a carried w is read again: it may have been re-tuned
             or (train_split in qrels and tuned.rule != rule)
             or any(getattr(tuned, field) != stamp for field, stamp in stamps.items())):
         if train_split in qrels:
-            tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split, rule)
+            tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split, rule,
+                                       rerank_passages)
         else:
-            tuned = carry_interpolation(workdir, first, reranker, rerank_depth)
+            tuned = carry_interpolation(workdir, first, reranker, rerank_depth, rerank_passages)
     elif not tuned.source:  # tuned here before checkpoints carried their settings: saved with it now
         from ckray.deploy import read_deploy
         from ckray.pipelines import checkpoint_dir
@@ -258,8 +279,10 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
             continue
         t0 = time.time()
         if is_interpolated(name) and config.fusion_weight is None:
-            ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth, rule=config.weight_rule)
+            ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth, rule=config.weight_rule,
+                                 rerank_passages=config.rerank_passages)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth,
+                              reranker_options={"passages": config.rerank_passages},
                               retriever_options=first_stage_options(
                                   first, len(split_q), config.lam, config.hybrid_normalization),
                               interpolation_weight=config.fusion_weight)
@@ -291,8 +314,9 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
     weight = config.fusion_weight
     if weight is None:
         weight = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth,
-                                      rule=config.weight_rule).weight
+                                      rule=config.weight_rule, rerank_passages=config.rerank_passages).weight
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth,
+                          reranker_options={"passages": config.rerank_passages},
                           retriever_options=first_stage_options(
                               first, len(split_q), config.lam, config.hybrid_normalization))
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))

@@ -249,6 +249,7 @@ class InterpolationConfig:
     first_stage_stamp: str = ""    # which first-stage index it was tuned on (``ckray.pipelines.first_stage_digest``)
     source: str = ""               # where a weight not tuned here came from (a checkpoint's deploy.json, ckray.deploy)
     rule: str = "best"             # how it was chosen from ``table`` (grid_search); files from before the rule say nothing: "best"
+    reranker_passages: int = 1     # windows of a long document the reranker read (``ckray.rerank``); files from before: 1
 
 
 def tune_weight(first: Run, reranked: Run, qrels: Mapping[str, Mapping[str, int]], depth: int,

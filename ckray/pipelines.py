@@ -118,7 +118,16 @@ def first_stage_digest(workdir: str | os.PathLike, first: str) -> str:
                                      default=str).encode()).hexdigest()
 
 
-def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker:
+def reranker_passages(name: str, passages: int) -> int:
+    """The windows of a long document reranker ``name`` reads when asked for ``passages``: those for a
+    cross-encoder (``ckray.rerank.CheckpointReranker``); 1 for a reranker with its own factory (CK-QTI's
+    reads the impacts its index stored, windowed when the index was built)."""
+    return 1 if rankers.reranker_factory(name) is not None else passages
+
+
+def build_reranker(name: str, workdir: str | os.PathLike, passages: int | None = None, **options) -> Reranker:
+    """Reranker ``name`` over ``W/checkpoints/<name>``; ``passages``: the windows of a long document a
+    cross-encoder reads (``CheckpointReranker.passages``; None: its default)."""
     if name not in rankers.rerankers():
         raise ConfigError(f"unknown reranker {name!r}; known: {', '.join(sorted(rankers.rerankers()))}")
     from ckray.data.shards import DocStore
@@ -130,6 +139,8 @@ def build_reranker(name: str, workdir: str | os.PathLike, **options) -> Reranker
     factory = rankers.reranker_factory(name)
     if factory is not None:
         return rankers.resolve(factory)(path, workdir, DocStore(workdir).text, **options)
+    if passages is not None:
+        options["passages"] = passages
     return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, workdir=str(workdir), **options)
 
 

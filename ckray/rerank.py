@@ -7,16 +7,20 @@ QDS-Transformer later). Both entry points take the same inputs and give the same
 * ``queries``: ``dict[qid, text]``;
 * ``run``: the first stage, ``dict[qid, list[(doc_id, score)]]``;
 * ``doc_text``: ``dict[doc_id, text]`` or a callable ``doc_id -> text`` (e.g. ``DocStore``);
-* ``depth``: how many of each query's top first-stage documents the model rescores.
+* ``depth``: how many of each query's top first-stage documents the model rescores;
+* ``windows`` (optional): how a document's text is cut into the windows a model reads whole (a
+  ``CheckpointReranker`` cuts a long document into windows of the word pieces its model reads,
+  ``passages``); each window is scored with the query and the document gets its best window's score
+  (MaxP, Dai & Callan 2019). Without it a document is scored once, cut where the model cuts it.
 
 The top ``depth`` documents of every query are replaced by the model's scores and sorted; the
 documents below ``depth`` keep their first-stage order after them, with scores rewritten to lie
 below the lowest reranked score (a run must stay sorted by score: evaluation tools sort by it).
 
-``rerank`` builds one ``ray.data.Dataset`` of ``(qid, doc_id, query, doc)`` rows and maps it with an
+``rerank`` builds one ``ray.data.Dataset`` of ``(qid, doc_id, passage, query, doc)`` rows and maps it with an
 actor pool (``ckray.batch_inference``): each actor loads the checkpoint once and scores batches of
 ``batch_size`` pairs, on a GPU when ``num_gpus_per_actor`` is set (bf16 autocast there). Scores are
-keyed by ``(qid, doc_id)``: a pair scored twice (a batch retried after a lost actor) counts once, a
+keyed by ``(qid, doc_id, passage)``: a pair scored twice (a batch retried after a lost actor) counts once, a
 pair never scored is an error naming it.
 ``rerank_local`` scores in the calling process, for small inputs, tests and serving.
 ``CheckpointReranker`` wraps either behind the DESIGN contract ``rerank(queries, run, depth) -> run``.
@@ -24,7 +28,9 @@ pair never scored is an error naming it.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -32,15 +38,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
+from ckray.errors import ConfigError
 from ckray.fusion import Run, above_rest, best_first
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 30.0  # seconds between progress lines of a long in-process rerank
+# windows of a long document a cross-encoder reads (CheckpointReranker.passages): 0 every one, 1 the first
+# (the model's own truncation, as trained), N the first N. Chosen on held-out training queries (SciFact's and
+# a long-document collection's, docs/transfer.md); capped because each window costs a forward pass per query
+# at query time, where an index reads a document once.
+DEFAULT_RERANK_PASSAGES = 4
 
 DocText = Mapping[str, str] | Callable[[str], str]
+Windows = Callable[[str], list[str]]
 
 
 def _lookup(doc_text: DocText) -> Callable[[str], str]:
@@ -69,18 +81,36 @@ def rerank_candidates(queries: Mapping[str, str], run: Run, depth: int) -> dict[
 
 
 def rerank_pairs(queries: Mapping[str, str], run: Run, doc_text: DocText, depth: int,
-                 sort_by_length: bool = True) -> list[dict[str, str]]:
-    """The ``(qid, doc_id, query, doc)`` rows to score: each query's top ``depth`` documents.
+                 sort_by_length: bool = True, windows: Windows | None = None) -> list[dict[str, Any]]:
+    """The ``(qid, doc_id, passage, query, doc)`` rows to score: each query's top ``depth`` documents,
+    each whole (``passage`` 0) or, with ``windows``, as the texts it cuts the document into (0, 1, …).
 
     With ``sort_by_length`` rows are ordered by text length so batches hold pairs of similar length
     (less padding; scores do not depend on the batch).
     """
     text = _lookup(doc_text)
-    rows = [{"qid": str(qid), "doc_id": doc_id, "query": queries[qid], "doc": text(doc_id)}
-            for qid, doc_ids in rerank_candidates(queries, run, depth).items() for doc_id in doc_ids]
+    parts: dict[str, list[str]] = {}   # a document's windows, cut once for all the queries it is a candidate of
+
+    def passages(doc_id: str) -> list[str]:
+        if doc_id not in parts:
+            parts[doc_id] = windows(text(doc_id)) if windows else [text(doc_id)]
+        return parts[doc_id]
+
+    rows = [{"qid": str(qid), "doc_id": doc_id, "passage": p, "query": queries[qid], "doc": part}
+            for qid, doc_ids in rerank_candidates(queries, run, depth).items() for doc_id in doc_ids
+            for p, part in enumerate(passages(doc_id))]
     if sort_by_length:
         rows.sort(key=lambda r: len(r["query"]) + len(r["doc"]))
     return rows
+
+
+def best_passages(scores: Mapping[tuple[str, str, int], float]) -> dict[tuple[str, str], float]:
+    """Each ``(qid, doc_id)``'s score from its windows' ``(qid, doc_id, passage)`` scores: the best one
+    (MaxP, Dai & Callan 2019). A document scored whole has one window."""
+    out: dict[tuple[str, str], float] = {}
+    for (qid, doc_id, _), score in scores.items():
+        out[(qid, doc_id)] = max(out.get((qid, doc_id), -math.inf), score)
+    return out
 
 
 def merge_scores(run: Run, scores: Mapping[tuple[str, str], float], depth: int) -> Run:
@@ -92,15 +122,17 @@ def merge_scores(run: Run, scores: Mapping[tuple[str, str], float], depth: int) 
     return out
 
 
-def _score_rows(model: Any, rows: list[dict[str, str]], batch_size: int) -> dict[tuple[str, str], float]:
+def _score_rows(model: Any, rows: list[dict[str, Any]], batch_size: int) -> dict[tuple[str, str, int], float]:
     """Score every row in batches; logs pairs/s and an ETA every ``PROGRESS_EVERY_S`` seconds."""
-    scores: dict[tuple[str, str], float] = {}
+    import torch
+
+    scores: dict[tuple[str, str, int], float] = {}
     start = last = time.perf_counter()
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         s = model.score_texts([r["query"] for r in chunk], [r["doc"] for r in chunk])
         for r, v in zip(chunk, torch.as_tensor(s).float().tolist()):
-            scores[(r["qid"], r["doc_id"])] = v
+            scores[(r["qid"], r["doc_id"], r["passage"])] = v
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S:
             done, rate = i + len(chunk), (i + len(chunk)) / (now - start)
@@ -111,10 +143,10 @@ def _score_rows(model: Any, rows: list[dict[str, str]], batch_size: int) -> dict
 
 
 def rerank_local(model: Any, queries: Mapping[str, str], run: Run, doc_text: DocText,
-                 depth: int = 100, batch_size: int = 16) -> Run:
+                 depth: int = 100, batch_size: int = 16, windows: Windows | None = None) -> Run:
     """Rerank in this process with an already-loaded model (call ``model.eval()`` first)."""
-    rows = rerank_pairs(queries, run, doc_text, depth)
-    return merge_scores(run, _score_rows(model, rows, batch_size), depth)
+    rows = rerank_pairs(queries, run, doc_text, depth, windows=windows)
+    return merge_scores(run, best_passages(_score_rows(model, rows, batch_size)), depth)
 
 
 class PairScorer:
@@ -132,31 +164,34 @@ class PairScorer:
         self.model = model.to(self.device).eval()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
         queries = [str(x) for x in batch["query"]]
         docs = [str(x) for x in batch["doc"]]
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             scores = self.model.score_texts(queries, docs)
-        return {"qid": batch["qid"], "doc_id": batch["doc_id"],
+        return {"qid": batch["qid"], "doc_id": batch["doc_id"], "passage": batch["passage"],
                 "score": torch.as_tensor(scores).float().cpu().numpy().astype(np.float64)}
 
 
 def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, doc_text: DocText,
            depth: int = 100, *, batch_size: int = 16, num_actors: int = 1,
            num_cpus_per_actor: float = 1.0, num_gpus_per_actor: float | None = None,
-           statistics: Any = None) -> Run:
+           statistics: Any = None, windows: Windows | None = None) -> Run:
     """Rerank as Ray batch inference: ``Dataset`` of pairs → ``map_batches`` on an actor pool.
 
     Uses the running Ray cluster (or starts a local one). ``num_gpus_per_actor`` (e.g. 1 or 0.5)
     places each actor on a GPU; without it the actors score on CPUs with ``num_cpus_per_actor`` threads.
     ``statistics``: the collection statistics (``ckray.data.statistics.CorpusStats``) of the corpus being
     reranked, given to each actor's model (``set_collection_statistics``) when the model reads any.
+    ``windows``: how a long document is cut (module docstring), in this process, before the rows ship.
     """
     import ray.data
 
     from ckray.batch_inference import (ActorPoolConfig, KeyedRows, ckray_errors_surfaced, ensure_ray, map_on_actors,
                                        raise_if_missing)
 
-    rows = rerank_pairs(queries, run, doc_text, depth)
+    rows = rerank_pairs(queries, run, doc_text, depth, windows=windows)
     if not rows:
         return merge_scores(run, {}, depth)
     ensure_ray()
@@ -166,13 +201,13 @@ def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, 
     ds = ray.data.from_items(rows, override_num_blocks=n_blocks)
     scored = map_on_actors(ds, PairScorer, {"model_path": str(model_path), "use_gpu": pool.use_gpu,
                                             "torch_threads": pool.torch_threads, "statistics": statistics}, pool)
-    scores = KeyedRows(((r["qid"], r["doc_id"]) for r in rows), "Ray reranking")
+    scores = KeyedRows(((r["qid"], r["doc_id"], r["passage"]) for r in rows), "Ray reranking")
     with ckray_errors_surfaced():  # a CkrayError in an actor ends the job with its own one line
         for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
-            for qid, doc_id, score in zip(batch["qid"], batch["doc_id"], batch["score"]):
-                scores.add((str(qid), str(doc_id)), float(score))
+            for qid, doc_id, passage, score in zip(batch["qid"], batch["doc_id"], batch["passage"], batch["score"]):
+                scores.add((str(qid), str(doc_id), int(passage)), float(score))
     raise_if_missing([scores], "Ray reranking", "re-run it")
-    return merge_scores(run, scores.rows, depth)
+    return merge_scores(run, best_passages(scores.rows), depth)
 
 
 @dataclass
@@ -182,12 +217,17 @@ class CheckpointReranker:
     ``use_ray=False`` loads the model once in this process (serving, small runs); ``use_ray=True``
     runs every call as Ray batch inference on an actor pool (``rerank``). A model that reads collection
     statistics (the QDS-Transformer's IDF-weighted MaxSim head) reads those of ``workdir``'s corpus, the
-    one being reranked, not its training collection's (``ckray.data.statistics``).
+    one being reranked, not its training collection's (``ckray.data.statistics``). ``passages``: how
+    much of a document longer than the model reads (its ``document_pieces``) is scored: 0 every window
+    of that many word pieces, a quarter of each shared with the next (``ckray.models.encoders.text_windows``),
+    the document scoring as its best window; 1 the first window, cut where the model cuts it (as
+    trained); N the first N windows.
     """
 
     model_path: str
     doc_text: DocText
     workdir: str | None = None
+    passages: int = DEFAULT_RERANK_PASSAGES
     batch_size: int = 16
     use_ray: bool = False
     num_actors: int = 1
@@ -195,6 +235,11 @@ class CheckpointReranker:
     num_gpus_per_actor: float | None = None
     _model: Any = field(default=None, init=False, repr=False)
     _statistics: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.passages < 0:
+            raise ConfigError.invalid("CheckpointReranker", "passages",
+                                      f"must be >= 0 (0: every window of a document), got {self.passages}")
 
     @property
     def model(self) -> Any:
@@ -210,19 +255,32 @@ class CheckpointReranker:
             self._model = model.to(default_device()).eval()
         return self._model
 
+    def windows(self) -> Windows | None:
+        """How a candidate's text is cut for the model (``passages``): None, the text whole and the model
+        cutting it, at ``passages`` 1 or for a model that does not say how much it reads."""
+        from ckray.models.encoders import text_windows
+
+        pieces = getattr(self.model, "document_pieces", None)
+        if self.passages == 1 or pieces is None:
+            return None
+        return functools.partial(text_windows, self.model.tokenizer, max_length=pieces, max_windows=self.passages)
+
     @property
     def settings(self) -> dict:
-        """The collection statistics the model reads, when it reads any (what an evaluation records)."""
+        """The windows of a long document read, and the collection statistics the model reads when it
+        reads any (what an evaluation records)."""
         from ckray.data.statistics import statistics_stamp
 
+        out = {"reranker_passages": self.passages}
         if self.model is not None and self._statistics is not None:
-            return {"reranker_collection_statistics": statistics_stamp(self.workdir, self._statistics)}
-        return {}
+            out["reranker_collection_statistics"] = statistics_stamp(self.workdir, self._statistics)
+        return out
 
     def rerank(self, queries: Mapping[str, str], run: Run, depth: int = 100) -> Run:
         if self.use_ray:
             return rerank(self.model_path, queries, run, self.doc_text, depth, batch_size=self.batch_size,
                           num_actors=self.num_actors, num_cpus_per_actor=self.num_cpus_per_actor,
                           num_gpus_per_actor=self.num_gpus_per_actor,
-                          statistics=self._statistics if self.model is not None else None)
-        return rerank_local(self.model, queries, run, self.doc_text, depth, self.batch_size)
+                          statistics=self._statistics if self.model is not None else None,
+                          windows=self.windows())
+        return rerank_local(self.model, queries, run, self.doc_text, depth, self.batch_size, windows=self.windows())

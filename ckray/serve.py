@@ -14,8 +14,8 @@ Deployments (each replica is one Ray actor with its own resources and autoscalin
 
 Results equal the offline pipeline (``ckray.pipelines.build_pipeline(...).run``) for the same
 queries: the retrievers are the same objects, searched to the same depth ``max(k, rerank_depth)``;
-the reranker forms its pairs with ``ckray.rerank.rerank_pairs`` and merges with
-``ckray.rerank.merge_scores``. First-stage scores are identical; a neural score can differ from the
+the reranker forms its pairs with ``ckray.rerank.rerank_pairs`` (a long document in the same windows)
+and merges with ``ckray.rerank.best_passages`` and ``ckray.rerank.merge_scores``. First-stage scores are identical; a neural score can differ from the
 offline one in its last float bits (a pair's padding depends on the pairs batched with it).
 Several retrievers are fused by :func:`reciprocal_rank_fusion`; :class:`FusedRetriever` is the same
 fusion as an offline ``Retriever``.
@@ -271,6 +271,7 @@ class RerankerDeployment:
         self.lookup = None if hasattr(reranker, "model") else reranker
         self.model = reranker.model.to(self.device).eval() if self.lookup is None else None
         self.doc_text = reranker.doc_text
+        self.windows = reranker.windows() if self.lookup is None else None   # a long document's windows, as offline
         self._torch = torch
         self.settings = RerankBatching()
         self.reconfigure({})
@@ -297,7 +298,7 @@ class RerankerDeployment:
     async def rerank(self, query: str, hits: Hits, depth: int) -> dict[str, Any]:
         """The top ``depth`` of ``hits`` rescored, the rest after them (``merge_scores``), with the
         forward time and size of the batch(es) these pairs were scored in."""
-        from ckray.rerank import merge_scores, rerank_pairs
+        from ckray.rerank import best_passages, merge_scores, rerank_pairs
 
         t_in = time.perf_counter()
         run = {"q": list(hits)}
@@ -306,12 +307,13 @@ class RerankerDeployment:
             ms = 1000 * (time.perf_counter() - t_in)
             return {"hits": merged, "ms": ms, "replica_ms": ms, "queue_ms": 0.0,
                     "batch_pairs": min(depth, len(run["q"])), "batch_requests": 1}
-        rows = rerank_pairs({"q": query}, run, self.doc_text, depth)
+        rows = rerank_pairs({"q": query}, run, self.doc_text, depth, windows=self.windows)
         pairs = [(r["query"], r["doc"]) for r in rows]
         step = self.settings.max_batch_pairs
         parts = await asyncio.gather(*(self._score_batch(pairs[i:i + step]) for i in range(0, len(pairs), step)))
         scores = [s for part in parts for s in part["scores"]]
-        merged = merge_scores(run, {("q", r["doc_id"]): s for r, s in zip(rows, scores)}, depth)["q"]
+        scored = best_passages({("q", r["doc_id"], r["passage"]): s for r, s in zip(rows, scores)})
+        merged = merge_scores(run, scored, depth)["q"]
         return {"hits": merged, "ms": sum(p["ms"] for p in parts), "replica_ms": 1000 * (time.perf_counter() - t_in),
                 "queue_ms": max((1000 * (p["start"] - t_in) for p in parts), default=0.0),
                 "batch_pairs": max((p["pairs"] for p in parts), default=0),

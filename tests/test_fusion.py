@@ -169,7 +169,7 @@ class _TinyModel(torch.nn.Module):
         self.linear = torch.nn.Linear(config.dim, 1)
 
 
-def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_changes(tmp_path, monkeypatch):
+def test_saved_weight_is_reused_until_the_reranker_its_windows_or_the_first_stage_index_changes(tmp_path, monkeypatch):
     import ckray.evaluation
     from ckray.lexical.bm25 import META, bm25_index_dir
     from ckray.models.checkpoint import save_model
@@ -181,17 +181,18 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     bm25_meta.write_text(json.dumps({"shards": "first build"}))
     tunings = []
 
-    def tune(workdir, pipeline, queries, qrels, depth, train_split, rule):  # the real one reranks the dev queries
+    def tune(workdir, pipeline, queries, qrels, depth, train_split, rule, passages):  # the real one reranks the dev queries
         tunings.append(depth)
         config = InterpolationConfig(weight=0.5, depth=depth, rule=rule,
-                                     **ckray.evaluation.interpolation_stamps(workdir, "bm25", "cedr-knrm"))
+                                     **ckray.evaluation.interpolation_stamps(workdir, "bm25", "cedr-knrm", passages))
         save_interpolation(workdir, "bm25", "cedr-knrm", config)
         return config
 
     monkeypatch.setattr(ckray.evaluation, "tune_interpolation", tune)
 
-    def ensure(depth=30):
-        return ckray.evaluation.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {"train": {}}, depth)
+    def ensure(depth=30, passages=1):
+        return ckray.evaluation.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {"train": {}}, depth,
+                                                     rerank_passages=passages)
 
     ensure(), ensure()
     assert tunings == [30]                       # tuned once, then reused
@@ -208,6 +209,9 @@ def test_saved_weight_is_reused_until_the_reranker_or_the_first_stage_index_chan
     save_interpolation(tmp_path, "bm25", "cedr-knrm", dataclasses.replace(stale, rule="best"))
     ensure(depth=50), ensure(depth=50)
     assert tunings == [30, 30, 30, 50, 50]       # chosen by another rule: tuned again, once
+    ensure(depth=50, passages=0), ensure(depth=50, passages=0)
+    assert tunings == [30, 30, 30, 50, 50, 50]   # the reranker reads every window of a long document: once more
+    assert load_interpolation(tmp_path, "bm25", "cedr-knrm").reranker_passages == 0
 
 
 def test_without_training_queries_the_weight_saved_with_the_checkpoint_is_used_for_its_first_stage_only(tmp_path):

@@ -76,6 +76,16 @@ def test_encode_pairs_builds_cls_query_sep_sos_layout(model: QDSTransformer):
         assert batch["token_type_ids"][i, length:].eq(0).all()
 
 
+def test_document_pieces_is_what_one_input_holds_beside_the_longest_query(model: QDSTransformer):
+    cfg, tok = model.config, model.tokenizer
+    query = " ".join(["protein"] * cfg.max_query_length)               # the longest query: max_query_length pieces
+    sentence = " ".join(["receptor"] * (model.document_pieces + 1))    # one sentence, one piece too many
+    batch = encode_pairs(tok, [query], [sentence], cfg)
+    receptor = tok.convert_tokens_to_ids("receptor")
+    assert int((batch["input_ids"] == receptor).sum()) == model.document_pieces   # all but the extra piece
+    assert int(batch["attention_mask"].sum()) == cfg.max_length
+
+
 def test_encode_pairs_truncates_to_max_length(model: QDSTransformer):
     cfg = tiny(max_length=64, max_query_length=5)
     batch = encode_pairs(model.tokenizer, ["a very long query " * 10], [long_doc(500)], cfg)

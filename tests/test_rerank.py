@@ -7,6 +7,7 @@ import torch
 
 from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
 from ckray.models.checkpoint import load_model, save_model
+from ckray.models.encoders import document_windows, text_windows
 from ckray.rerank import CheckpointReranker, merge_scores, rerank, rerank_local
 
 TINY = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -21,6 +22,9 @@ DOCS = {
     "d5": "an unrelated document about sea turtles and their migration routes " * 3,
     "d6": "memory formation depends on synaptic plasticity",
 }
+# a long document whose match lies past what the tiny model reads (84 word pieces: 4 segments of 32 - 8 - 3)
+LONG = ("sea turtles migrate across the ocean to nest on sandy beaches . " * 12
+        + "sleep consolidates memory in the hippocampus .")
 RUN = {
     "q1": [("d1", 9.0), ("d4", 8.0), ("d5", 7.0), ("d2", 6.0), ("d3", 1.0)],
     "q2": [("d2", 5.0), ("d5", 4.0), ("d6", 3.0), ("d1", 2.0)],
@@ -76,6 +80,46 @@ def test_merge_scores_keeps_tail_below_reranked():
     assert merged == {"q": [("b", -1.0), ("a", -5.0), ("c", -6.0)]}
 
 
+def test_text_windows_are_the_document_windows_of_the_text():
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer(None)
+    parts = text_windows(tok, LONG, 40)
+    pieces, per_text = document_windows(tok, [LONG], 40, add_special_tokens=False)
+    assert len(parts) == per_text[0] > 3
+    assert [tok(p, add_special_tokens=False)["input_ids"] for p in parts] == pieces
+    assert LONG.startswith(parts[0]) and LONG.rstrip(" .").endswith(parts[-1].rstrip(" ."))
+    assert text_windows(tok, LONG, 40, max_windows=2) == parts[:2]
+    assert text_windows(tok, DOCS["d1"], 40) == [DOCS["d1"]]     # fits one window: the text itself
+    assert text_windows(tok, "", 40) == [""]
+
+
+def test_a_long_document_scores_as_its_best_window(checkpoint):
+    """passages 0: every window of the word pieces one input reads, the document its best window's score
+    (MaxP); 1: the text whole, cut where the model cuts it; N: the first N windows. A document that fits one
+    input scores the same under every setting."""
+    model = load_model(checkpoint)
+    docs = {**DOCS, "long": LONG}
+    run = {"q3": [("long", 3.0), ("d3", 2.0), ("d5", 1.0)]}
+    parts = text_windows(model.tokenizer, LONG, model.document_pieces)
+    query = " ".join(["memory"] * model.config.max_query_len)   # the longest query reads document_pieces of LONG
+    assert int(model.tokenize_pairs([query], [LONG])["doc_mask"].sum()) == model.document_pieces < len(
+        model.tokenizer(LONG, add_special_tokens=False)["input_ids"])
+    assert len(parts) >= 3
+    per_window = model.score_texts([QUERIES["q3"]] * len(parts), parts).tolist()
+    whole = model.score_texts([QUERIES["q3"]], [LONG]).item()
+    short = model.score_texts([QUERIES["q3"]] * 2, [DOCS["d3"], DOCS["d5"]]).tolist()
+    for passages, expected in ((0, max(per_window)), (1, whole), (2, max(per_window[:2]))):
+        reranker = CheckpointReranker(str(checkpoint), docs, passages=passages, batch_size=2)
+        got = dict(reranker.rerank(QUERIES, run, depth=3)["q3"])
+        assert got["long"] == pytest.approx(expected, abs=1e-5)
+        assert [got["d3"], got["d5"]] == pytest.approx(short, abs=1e-5)
+        assert reranker.settings["reranker_passages"] == passages
+    assert max(per_window) != pytest.approx(whole, abs=1e-4)    # the windows change the long document's score
+    with pytest.raises(Exception, match="passages"):
+        CheckpointReranker(str(checkpoint), docs, passages=-1)
+
+
 @pytest.mark.slow
 def test_ray_actor_pool_rerank_matches_local(checkpoint, ray_session):
     local = rerank_local(load_model(checkpoint), QUERIES, RUN, DOCS, depth=4, batch_size=3)
@@ -85,3 +129,11 @@ def test_ray_actor_pool_rerank_matches_local(checkpoint, ray_session):
     for qid in local:
         assert [d for d, _ in distributed[qid]] == [d for d, _ in local[qid]]
         assert [s for _, s in distributed[qid]] == pytest.approx([s for _, s in local[qid]], abs=1e-5)
+    # a long document's windows: rows of their own on the actors, its best window's score back here
+    model = load_model(checkpoint)
+    windows = CheckpointReranker(str(checkpoint), DOCS, passages=0).windows()
+    docs, run = {**DOCS, "long": LONG}, {"q3": [("long", 3.0), *RUN["q3"]]}
+    local = rerank_local(model, QUERIES, run, docs, depth=4, batch_size=3, windows=windows)
+    distributed = rerank(checkpoint, QUERIES, run, docs, depth=4, batch_size=3, num_actors=2, windows=windows)
+    assert [d for d, _ in distributed["q3"]] == [d for d, _ in local["q3"]]
+    assert [s for _, s in distributed["q3"]] == pytest.approx([s for _, s in local["q3"]], abs=1e-5)

@@ -435,6 +435,29 @@ def test_zero2_engine_step_gives_the_plain_steps_weights(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_bf16_on_a_cpu_without_native_bf16_warns_that_it_is_emulated(tmp_path):
+    import warnings
+
+    import torch
+
+    from ckray.device import cpu_has_native_bf16
+    from ckray.training.loop import precision_context
+
+    cpu = torch.device("cpu")
+    emulated, native, arm = (tmp_path / n for n in ("amd", "intel", "arm"))
+    emulated.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    native.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16\n")
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert [cpu_has_native_bf16(p) for p in (emulated, native, arm, tmp_path / "none")] == [False, True, None, None]
+    with pytest.warns(UserWarning, match="emulated"):
+        context = precision_context("bf16", cpu, cpuinfo=str(emulated))
+    assert isinstance(context, torch.autocast)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for precision, cpuinfo in (("bf16", native), ("bf16", arm), ("fp32", emulated), ("auto", emulated)):
+            precision_context(precision, cpu, cpuinfo=str(cpuinfo))
+
+
 def test_one_worker_runs_deepspeed_without_partitioning():
     from ckray.training.loop import _deepspeed_config
 

@@ -64,6 +64,19 @@ def document_windows(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], m
     return windows, per_text
 
 
+def text_windows(tokenizer: PreTrainedTokenizerBase, text: str, max_length: int, max_windows: int = 0) -> list[str]:
+    """``text`` as the spans of its :func:`document_windows` (without special tokens): each window's text
+    from its first word piece's first character to its last piece's last one, for a model that takes
+    text and reads ``max_length`` word pieces of it. A text that fits one window (or an empty one) is
+    returned whole, as the only window."""
+    enc = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length,
+                    stride=passage_overlap(max_length), return_overflowing_tokens=True, return_offsets_mapping=True)
+    spans = [(offsets[0][0], offsets[-1][1]) for offsets in enc["offset_mapping"] if offsets]
+    if len(spans) <= 1:
+        return [text]
+    return [text[a:b] for a, b in spans[: max_windows or None]]
+
+
 def load_encoder(name_or_path: str | None = None, num_layers: int | None = None) -> PreTrainedModel:
     """A pretrained encoder, optionally truncated to its first ``num_layers`` layers."""
     path = resolve_encoder(name_or_path)

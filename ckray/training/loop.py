@@ -42,6 +42,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -470,10 +471,18 @@ def lr_factor(step: int, warmup_steps: int, schedule_steps: int) -> float:
     return max(0.0, (schedule_steps - step) / max(1, schedule_steps - warmup_steps))
 
 
-def precision_context(precision: str, device: torch.device) -> Any:
+def precision_context(precision: str, device: torch.device, cpuinfo: str = "/proc/cpuinfo") -> Any:
     """The context a training step's forward runs in: ``torch.autocast(bfloat16)`` for ``bf16`` (and
-    ``auto`` on a GPU), else none (fp32)."""
+    ``auto`` on a GPU), else none (fp32). ``bf16`` on a CPU without native bf16 (``ckray.device.
+    cpu_has_native_bf16`` of ``cpuinfo``) is emulated: it still runs, with a warning, since it is many
+    times slower than fp32 there."""
+    from ckray.device import CPU_BF16_FLAGS, cpu_has_native_bf16
+
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        if device.type == "cpu" and cpu_has_native_bf16(cpuinfo) is False:
+            warnings.warn(f"--precision bf16 on a CPU without native bf16 ({' or '.join(CPU_BF16_FLAGS)} not in "
+                          f"{cpuinfo}): bf16 is emulated there, many times slower than fp32 (--precision fp32)",
+                          stacklevel=2)
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

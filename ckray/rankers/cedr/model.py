@@ -411,6 +411,14 @@ class CEDRRanker(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    @property
+    def document_pieces(self) -> int:
+        """Word pieces of a document that one input reads with any query: ``max_segments`` segments of what
+        a segment holds beside the longest query and three special tokens (``tokenize_pairs``); a longer
+        document is cut there, or read in windows of this many pieces (``ckray.rerank``)."""
+        c = self.config
+        return c.max_segments * (c.max_length - c.max_query_len - 3)
+
     def tokenize_pairs(self, queries: Iterable[str], docs: Iterable[str]) -> Batch:
         """Tokenise (query, document) pairs into one encoder batch (see module-level ``tokenize_pairs``)."""
         return tokenize_pairs(self.tokenizer, self.config, queries, docs)

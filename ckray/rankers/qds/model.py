@@ -430,6 +430,15 @@ class QDSTransformer(nn.Module):
 
     # -- text API ---------------------------------------------------------------------------------
 
+    @property
+    def document_pieces(self) -> int:
+        """Word pieces of a one-sentence document that one input holds beside the longest query, [CLS], two
+        [SEP] and the sentence's [SOS] (``encode_pairs``); each further sentence's [SOS] takes one more, so
+        when a long document is read in windows of this many pieces (``ckray.rerank``) a window's last words
+        may be cut, and the next window, which shares a quarter of it, reads them."""
+        c = self.config
+        return max(1, c.max_length - c.max_query_length - 4)
+
     def build_batch(self, queries: Sequence[str], docs: Sequence[str]) -> dict[str, torch.Tensor]:
         """``encode_pairs`` with this model's tokenizer and config."""
         return encode_pairs(self.tokenizer, queries, docs, self.config)
