@@ -57,14 +57,15 @@ def main() -> None:
                                              training_mean_doc_len)
     from ckray.rankers.ck_qti.model import load_ck_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="BEIR directory (queries.jsonl, qrels/<split>.tsv)")
-    p.add_argument("--workdir", required=True, help="its prepared work directory (jobs/prepare.py)")
-    p.add_argument("--checkpoint", required=True, help="a CK-QTI checkpoint")
-    p.add_argument("--split", default="test")
-    p.add_argument("--top-k", type=int, default=256)
-    p.add_argument("--explicit-weight", type=float, default=0.5)
-    a = p.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="BEIR directory (queries.jsonl, qrels/<split>.tsv)")
+    parser.add_argument("--workdir", required=True, help="its prepared work directory (jobs/prepare.py)")
+    parser.add_argument("--checkpoint", required=True, help="a CK-QTI checkpoint")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--top-k", type=int, default=256)
+    parser.add_argument("--explicit-weight", type=float, default=0.5)
+    a = parser.parse_args()
+    torch.set_grad_enabled(False)
 
     table = load_corpus_table(a.workdir, ["doc_id", "title", "text"])
     ids = table.column("doc_id").to_pylist()
@@ -87,16 +88,15 @@ def main() -> None:
             adaptation.doc_freq, adaptation.n_docs, adaptation.mean_doc_len = df, n, mean_len
             adaptation.length_scale = mean_len / trained if trained else 1.0
         adaptation.apply(model)
-        torch.set_grad_enabled(False)
         scored = TermImpactScorer(model, ImpactConfig(top_k=a.top_k, explicit_weight=a.explicit_weight)
                                   ).score_pieces(windows)
         starts = np.cumsum([0] + per_doc)
         weights = []   # per document: {term: [w_tp of each window, 0 where the window does not keep it]}
-        for a_, b_ in zip(starts[:-1], starts[1:]):
+        for first, end in zip(starts[:-1], starts[1:]):
             doc: dict[int, list[float]] = {}
-            for p_, (terms, ws) in enumerate(scored[a_:b_]):
+            for window, (terms, ws) in enumerate(scored[first:end]):
                 for t, w in zip(terms.tolist(), ws.tolist()):
-                    doc.setdefault(t, [0.0] * (b_ - a_))[p_] = w
+                    doc.setdefault(t, [0.0] * (end - first))[window] = w
             weights.append(doc)
         for name, aggregate in AGGREGATES.items():
             run = {}

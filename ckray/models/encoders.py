@@ -44,6 +44,15 @@ def passage_overlap(window: int) -> int:
     return window // 4
 
 
+def _overflowing(tokenizer: PreTrainedTokenizerBase, texts: str | list[str], max_length: int,
+                 overlap: int | None = None, **kwargs: Any) -> Any:
+    """The tokenizer's encoding of ``texts`` cut into windows of ``max_length`` word pieces that share
+    ``overlap`` (default :func:`passage_overlap`) with the next: the one windowing call of this module."""
+    return tokenizer(texts, truncation=True, max_length=max_length,
+                     stride=passage_overlap(max_length) if overlap is None else overlap,
+                     return_overflowing_tokens=True, **kwargs)
+
+
 def document_windows(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int, max_windows: int = 0,
                      overlap: int | None = None, add_special_tokens: bool = True) -> tuple[list[list[int]], list[int]]:
     """Each text as windows of at most ``max_length`` word pieces (special tokens included when
@@ -52,9 +61,7 @@ def document_windows(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], m
     ``stride``); the first ``max_windows`` of each text (0: all, the whole text). Returns ``(windows,
     windows per text)``: a text that fits one window, or an empty one, gets exactly the one its truncated
     encoding would be."""
-    enc = tokenizer(list(texts), add_special_tokens=add_special_tokens, truncation=True, max_length=max_length,
-                    stride=passage_overlap(max_length) if overlap is None else overlap,
-                    return_overflowing_tokens=True)
+    enc = _overflowing(tokenizer, list(texts), max_length, overlap, add_special_tokens=add_special_tokens)
     windows: list[list[int]] = []
     per_text = [0] * len(texts)
     for ids, text in zip(enc["input_ids"], enc["overflow_to_sample_mapping"]):
@@ -69,8 +76,7 @@ def text_windows(tokenizer: PreTrainedTokenizerBase, text: str, max_length: int,
     from its first word piece's first character to its last piece's last one, for a model that takes
     text and reads ``max_length`` word pieces of it. A text that fits one window (or an empty one) is
     returned whole, as the only window."""
-    enc = tokenizer(text, add_special_tokens=False, truncation=True, max_length=max_length,
-                    stride=passage_overlap(max_length), return_overflowing_tokens=True, return_offsets_mapping=True)
+    enc = _overflowing(tokenizer, text, max_length, add_special_tokens=False, return_offsets_mapping=True)
     spans = [(offsets[0][0], offsets[-1][1]) for offsets in enc["offset_mapping"] if offsets]
     if len(spans) <= 1:
         return [text]

@@ -193,6 +193,11 @@ def _as_str_list(x: Iterable[Any]) -> list[str]:
     return [str(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
 
 
+def segment_room(config: CEDRConfig, query_len: int) -> int:
+    """Document word pieces one segment holds beside a query of ``query_len`` pieces and [CLS], [SEP], [SEP]."""
+    return config.max_length - query_len - 3
+
+
 def tokenize_pairs(tokenizer: Any, config: CEDRConfig, queries: Iterable[str], docs: Iterable[str]) -> Batch:
     """Tokenise (query, document) pairs into one encoder batch of all their segments.
 
@@ -218,7 +223,7 @@ def tokenize_pairs(tokenizer: Any, config: CEDRConfig, queries: Iterable[str], d
 
     rows, types, row_example, first_row, doc_locs = [], [], [], [], []
     for b, (q, d) in enumerate(zip(q_ids, d_ids)):
-        cap = cfg.max_length - len(q) - 3
+        cap = segment_room(cfg, len(q))
         d = d[: cfg.max_segments * cap]
         n_seg = max(1, math.ceil(len(d) / cap))
         size = max(1, math.ceil(len(d) / n_seg))
@@ -416,8 +421,7 @@ class CEDRRanker(nn.Module):
         """Word pieces of a document that one input reads with any query: ``max_segments`` segments of what
         a segment holds beside the longest query and three special tokens (``tokenize_pairs``); a longer
         document is cut there, or read in windows of this many pieces (``ckray.rerank``)."""
-        c = self.config
-        return c.max_segments * (c.max_length - c.max_query_len - 3)
+        return self.config.max_segments * segment_room(self.config, self.config.max_query_len)
 
     def tokenize_pairs(self, queries: Iterable[str], docs: Iterable[str]) -> Batch:
         """Tokenise (query, document) pairs into one encoder batch (see module-level ``tokenize_pairs``)."""
