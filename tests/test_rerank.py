@@ -137,3 +137,12 @@ def test_ray_actor_pool_rerank_matches_local(checkpoint, ray_session):
     distributed = rerank(checkpoint, QUERIES, run, docs, depth=4, batch_size=3, num_actors=2, windows=windows)
     assert [d for d, _ in distributed["q3"]] == [d for d, _ in local["q3"]]
     assert [s for _, s in distributed["q3"]] == pytest.approx([s for _, s in local["q3"]], abs=1e-5)
+
+
+def test_a_negative_rerank_passages_is_refused_naming_the_field():
+    from ckray.errors import ConfigError
+    from ckray.evaluation import EvaluateConfig
+
+    with pytest.raises(ConfigError, match="rerank_passages"):
+        EvaluateConfig(data="d", workdir="w", rerank_passages=-1)
+    assert EvaluateConfig(data="d", workdir="w", rerank_passages=0).rerank_passages == 0
