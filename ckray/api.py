@@ -78,7 +78,8 @@ def build_index(ranker: str, data: PathLike, workdir: PathLike, **options: Any) 
 def evaluate(pipelines: list[str] | str, data: PathLike, workdir: PathLike, split: str = "test", k: int = 1000,
              rerank_depth: int = 100, lam: float | None = None, hybrid_normalization: str | None = None,
              fusion_weight: float | None = None, weight_rule: str | None = None,
-             rerank_passages: int | None = None) -> dict[str, dict[str, float]]:
+             rerank_passages: int | None = None,
+             rerank_window_choice: str | None = None) -> dict[str, dict[str, float]]:
     """Run each named pipeline (``bm25``, ``ck-qti``, ``bm25>cedr-knrm``, ``clear+cedr-knrm`` …) on
     ``split``'s judged queries and evaluate it, as ``jobs/evaluate.py``: writes ``W/runs`` and
     ``W/metrics``; returns ``{pipeline: {measure: value}}``. ``lam`` / ``fusion_weight`` override
@@ -86,7 +87,8 @@ def evaluate(pipelines: list[str] | str, data: PathLike, workdir: PathLike, spli
     ``hybrid_normalization`` the scores λ_test applies to (``"tmm"`` or ``"none"``);
     ``weight_rule`` is how a tuned ``w`` is chosen (``ckray.fusion.grid_search``: ``"one-se"``, the
     default, or ``"best"``); ``rerank_passages`` the windows of a long document a cross-encoder reads
-    (0: every one, 1: the first; default ``ckray.rerank.DEFAULT_RERANK_PASSAGES``)."""
+    (0: every one, 1: the first; default ``ckray.rerank.DEFAULT_RERANK_PASSAGES``) and
+    ``rerank_window_choice`` which of them (``"query"``, the default, or ``"first"``: ``ckray.windows``)."""
     from ckray.evaluation import EvaluateConfig, evaluate_pipelines
 
     names = [pipelines] if isinstance(pipelines, str) else list(pipelines)
@@ -95,7 +97,9 @@ def evaluate(pipelines: list[str] | str, data: PathLike, workdir: PathLike, spli
                                              hybrid_normalization=hybrid_normalization, fusion_weight=fusion_weight,
                                              **({"weight_rule": weight_rule} if weight_rule else {}),
                                              **({"rerank_passages": rerank_passages}
-                                                if rerank_passages is not None else {})))
+                                                if rerank_passages is not None else {}),
+                                             **({"rerank_window_choice": rerank_window_choice}
+                                                if rerank_window_choice is not None else {})))
 
 
 def benchmark(data: list[PathLike], checkpoints: PathLike, pipelines: list[str] | str = "bm25",

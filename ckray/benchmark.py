@@ -30,6 +30,7 @@ from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import DEFAULT_WEIGHT_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
 from ckray.rerank import DEFAULT_RERANK_PASSAGES
+from ckray.windows import DEFAULT_WINDOW_CHOICE, WINDOW_CHOICES, check_window_choice
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class BenchmarkConfig:
     rerank_depth: int = option(100, "first-stage results a reranker rescores")
     rerank_passages: int = option(DEFAULT_RERANK_PASSAGES, "windows of a long document a cross-encoder reranker "
                                   "reads (jobs/evaluate.py --rerank-passages): 0 every one, 1 the first")
+    rerank_window_choice: str = option(DEFAULT_WINDOW_CHOICE, "which windows of a longer document a cross-encoder "
+                                       "reads (jobs/evaluate.py --rerank-window-choice): query or first",
+                                       choices=WINDOW_CHOICES)
     shards: int = option(4, "corpus shards per collection")
     index_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     lam: float | None = option(None, "CLEAR's λ_test instead of the carried one", flag="--lambda")
@@ -76,6 +80,7 @@ class BenchmarkConfig:
         if not self.pipelines:
             raise ConfigError.invalid("BenchmarkConfig", "pipelines", "must name at least one pipeline")
         check_weight_rule("BenchmarkConfig", self.weight_rule)
+        check_window_choice("BenchmarkConfig", self.rerank_window_choice, "rerank_window_choice")
         for name in ("k", "rerank_depth", "shards"):
             if getattr(self, name) < 1:
                 raise ConfigError.invalid("BenchmarkConfig", name, f"must be >= 1, got {getattr(self, name)}")
@@ -167,7 +172,8 @@ def benchmark_collection(config: BenchmarkConfig, data: str, workdir: Path) -> d
     return api.evaluate(config.pipelines, data, workdir, split=config.split, k=config.k,
                         rerank_depth=config.rerank_depth, lam=config.lam,
                         hybrid_normalization=config.hybrid_normalization, fusion_weight=config.fusion_weight,
-                        weight_rule=config.weight_rule, rerank_passages=config.rerank_passages)
+                        weight_rule=config.weight_rule, rerank_passages=config.rerank_passages,
+                        rerank_window_choice=config.rerank_window_choice)
 
 
 def run_benchmark(config: BenchmarkConfig) -> dict:

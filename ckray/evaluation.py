@@ -15,6 +15,7 @@ from ckray.errors import ConfigError
 from ckray.fusion import DEFAULT_WEIGHT_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES, check_weight_rule
 from ckray.options import option
 from ckray.rerank import DEFAULT_RERANK_PASSAGES
+from ckray.windows import DEFAULT_WINDOW_CHOICE, WINDOW_CHOICES, check_window_choice
 from ckray.workdir import WorkDir
 from ckray.eval import DEFAULT_MEASURES, evaluate, per_query
 
@@ -42,10 +43,19 @@ class EvaluateConfig:
                                                "reranker checkpoint's deploy.json)")
     rerank_passages: int = option(DEFAULT_RERANK_PASSAGES, "windows of a long document a cross-encoder reranker reads, "
                                   "each as many word pieces as one of its inputs holds, the document scoring as "
-                                  "its best window: 0 every one, 1 the first (cut as in training), N the first N")
+                                  "its best window: 0 every one, 1 the first (cut as in training), N of them "
+                                  "(--rerank-window-choice)")
+    rerank_window_choice: str = option(DEFAULT_WINDOW_CHOICE, "which N windows of a longer document a cross-encoder "
+                                       "reads: query (those matching the query best, by BM25's tf and the "
+                                       "collection's IDF over word pieces) or first", choices=WINDOW_CHOICES)
     weight_rule: str = option(DEFAULT_WEIGHT_RULE, "how w is chosen from the dev queries' grid: one-se (the largest "
                                                  "w within one standard error of the best: leans on the first "
                                                  "stage, which transfers) or best (the argmax)", choices=WEIGHT_RULES)
+
+    @property
+    def reranker_options(self) -> dict:
+        """How a cross-encoder reads a long candidate (``ckray.pipelines.build_reranker``)."""
+        return {"passages": self.rerank_passages, "window_choice": self.rerank_window_choice}
 
     def __post_init__(self) -> None:
         for name in ("k", "rerank_depth"):
@@ -54,6 +64,7 @@ class EvaluateConfig:
         if self.rerank_passages < 0:
             raise ConfigError.invalid("EvaluateConfig", "rerank_passages",
                                       f"must be >= 0 (0: every window), got {self.rerank_passages}")
+        check_window_choice("EvaluateConfig", self.rerank_window_choice, "rerank_window_choice")
         if not self.pipelines:
             raise ConfigError.invalid("EvaluateConfig", "pipelines", "must name at least one pipeline")
         check_weight_rule("EvaluateConfig", self.weight_rule)
@@ -82,7 +93,8 @@ def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str,
 
 def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
                        train_split: str = "train", rule: str | None = None,
-                       rerank_passages: int = DEFAULT_RERANK_PASSAGES):
+                       rerank_passages: int = DEFAULT_RERANK_PASSAGES,
+                       window_choice: str = DEFAULT_WINDOW_CHOICE):
     """Tune w of a ``first+reranker`` pipeline on the dev split of the *training* queries (the ones the
     reranker validated on, never test queries) and save it to ``W/fusion`` (``ckray.fusion``)."""
     from ckray.fusion import dev_queries, save_interpolation, tune_weight
@@ -95,7 +107,7 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     log.info("%s: tuning the interpolation weight on %d dev (training) queries at depth %d",
              pipeline, len(dev_q), rerank_depth)
     pipe = build_pipeline(f"{first}>{reranker}", workdir, rerank_depth=rerank_depth,
-                          reranker_options={"passages": rerank_passages})
+                          reranker_options={"passages": rerank_passages, "window_choice": window_choice})
     first_run = pipe.retriever.search(dev_q, k=rerank_depth)
     reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
     config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth,
@@ -164,7 +176,8 @@ def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: i
 
 def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
                          train_split: str = "train", rule: str | None = None,
-                         rerank_passages: int = DEFAULT_RERANK_PASSAGES):
+                         rerank_passages: int = DEFAULT_RERANK_PASSAGES,
+                         window_choice: str = DEFAULT_WINDOW_CHOICE):
     """The weight of a ``first+reranker`` pipeline: the saved one when it was tuned (or carried) at this
     depth for this checkpoint on this first-stage index; otherwise tuned again on the dev split of
     ``train_split`` (``tune_interpolation``) or, when the collection has no such split, the one saved
@@ -183,7 +196,7 @@ def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], q
             or any(getattr(tuned, field) != stamp for field, stamp in stamps.items())):
         if train_split in qrels:
             tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split, rule,
-                                       rerank_passages)
+                                       rerank_passages, window_choice)
         else:
             tuned = carry_interpolation(workdir, first, reranker, rerank_depth, rerank_passages)
     elif not tuned.source:  # tuned here before checkpoints carried their settings: saved with it now
@@ -280,9 +293,9 @@ def evaluate_pipelines(config: EvaluateConfig) -> dict[str, dict[str, float]]:
         t0 = time.time()
         if is_interpolated(name) and config.fusion_weight is None:
             ensure_interpolation(config.workdir, name, queries, qrels, config.rerank_depth, rule=config.weight_rule,
-                                 rerank_passages=config.rerank_passages)
+                                 rerank_passages=config.rerank_passages, window_choice=config.rerank_window_choice)
         pipe = build_pipeline(name, config.workdir, rerank_depth=config.rerank_depth,
-                              reranker_options={"passages": config.rerank_passages},
+                              reranker_options=config.reranker_options,
                               retriever_options=first_stage_options(
                                   first, len(split_q), config.lam, config.hybrid_normalization),
                               interpolation_weight=config.fusion_weight)
@@ -314,9 +327,10 @@ def evaluate_reranker_pair(config: "EvaluateConfig", first: str, reranker: str,
     weight = config.fusion_weight
     if weight is None:
         weight = ensure_interpolation(config.workdir, plus, queries, qrels, config.rerank_depth,
-                                      rule=config.weight_rule, rerank_passages=config.rerank_passages).weight
+                                      rule=config.weight_rule, rerank_passages=config.rerank_passages,
+                                      window_choice=config.rerank_window_choice).weight
     pipe = build_pipeline(plain, config.workdir, rerank_depth=config.rerank_depth,
-                          reranker_options={"passages": config.rerank_passages},
+                          reranker_options=config.reranker_options,
                           retriever_options=first_stage_options(
                               first, len(split_q), config.lam, config.hybrid_normalization))
     first_run = pipe.retriever.search(split_q, k=max(config.k, pipe.rerank_depth))

@@ -125,9 +125,10 @@ def reranker_passages(name: str, passages: int) -> int:
     return 1 if rankers.reranker_factory(name) is not None else passages
 
 
-def build_reranker(name: str, workdir: str | os.PathLike, passages: int | None = None, **options) -> Reranker:
-    """Reranker ``name`` over ``W/checkpoints/<name>``; ``passages``: the windows of a long document a
-    cross-encoder reads (``CheckpointReranker.passages``; None: its default)."""
+def build_reranker(name: str, workdir: str | os.PathLike, passages: int | None = None,
+                   window_choice: str | None = None, **options) -> Reranker:
+    """Reranker ``name`` over ``W/checkpoints/<name>``; ``passages`` and ``window_choice``: the windows of a
+    long document a cross-encoder reads (``CheckpointReranker``; None: its default)."""
     if name not in rankers.rerankers():
         raise ConfigError(f"unknown reranker {name!r}; known: {', '.join(sorted(rankers.rerankers()))}")
     from ckray.data.shards import DocStore
@@ -141,6 +142,8 @@ def build_reranker(name: str, workdir: str | os.PathLike, passages: int | None =
         return rankers.resolve(factory)(path, workdir, DocStore(workdir).text, **options)
     if passages is not None:
         options["passages"] = passages
+    if window_choice is not None:
+        options["window_choice"] = window_choice
     return CheckpointReranker(str(path), doc_text=DocStore(workdir).text, workdir=str(workdir), **options)
 
 

@@ -8,10 +8,11 @@ QDS-Transformer later). Both entry points take the same inputs and give the same
 * ``run``: the first stage, ``dict[qid, list[(doc_id, score)]]``;
 * ``doc_text``: ``dict[doc_id, text]`` or a callable ``doc_id -> text`` (e.g. ``DocStore``);
 * ``depth``: how many of each query's top first-stage documents the model rescores;
-* ``windows`` (optional): how a document's text is cut into the windows a model reads whole (a
-  ``CheckpointReranker`` cuts a long document into windows of the word pieces its model reads,
-  ``passages``); each window is scored with the query and the document gets its best window's score
-  (MaxP, Dai & Callan 2019). Without it a document is scored once, cut where the model cuts it.
+* ``windows`` (optional): ``(query, text) -> [(position, window text)]``, the windows of a document a model
+  reads whole for a query (a ``CheckpointReranker`` reads up to ``passages`` windows of the word pieces its
+  model reads, those matching the query best: ``ckray.windows``); each window is scored with the query and
+  the document gets its best window's score (MaxP, Dai & Callan 2019). Without it a document is scored
+  once, cut where the model cuts it.
 
 The top ``depth`` documents of every query are replaced by the model's scores and sorted; the
 documents below ``depth`` keep their first-stage order after them, with scores rewritten to lie
@@ -28,7 +29,6 @@ pair never scored is an error naming it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -41,6 +41,7 @@ import numpy as np
 
 from ckray.errors import ConfigError
 from ckray.fusion import Run, above_rest, best_first
+from ckray.windows import DEFAULT_WINDOW_CHOICE, CandidateWindows, check_window_choice
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ PROGRESS_EVERY_S = 30.0  # seconds between progress lines of a long in-process r
 DEFAULT_RERANK_PASSAGES = 4
 
 DocText = Mapping[str, str] | Callable[[str], str]
-Windows = Callable[[str], list[str]]
+Windows = Callable[[str, str], list[tuple[int, str]]]   # (query, text) -> [(position, window)]
 
 
 def _lookup(doc_text: DocText) -> Callable[[str], str]:
@@ -83,22 +84,23 @@ def rerank_candidates(queries: Mapping[str, str], run: Run, depth: int) -> dict[
 def rerank_pairs(queries: Mapping[str, str], run: Run, doc_text: DocText, depth: int,
                  sort_by_length: bool = True, windows: Windows | None = None) -> list[dict[str, Any]]:
     """The ``(qid, doc_id, passage, query, doc)`` rows to score: each query's top ``depth`` documents,
-    each whole (``passage`` 0) or, with ``windows``, as the texts it cuts the document into (0, 1, …).
+    each whole (``passage`` 0) or, with ``windows``, as the windows it reads for the query (``passage``:
+    the window's position in the document).
 
     With ``sort_by_length`` rows are ordered by text length so batches hold pairs of similar length
     (less padding; scores do not depend on the batch).
     """
-    text = _lookup(doc_text)
-    parts: dict[str, list[str]] = {}   # a document's windows, cut once for all the queries it is a candidate of
+    lookup = _lookup(doc_text)
+    texts: dict[str, str] = {}   # a document's text, read once for all the queries it is a candidate of
 
-    def passages(doc_id: str) -> list[str]:
-        if doc_id not in parts:
-            parts[doc_id] = windows(text(doc_id)) if windows else [text(doc_id)]
-        return parts[doc_id]
+    def passages(query: str, doc_id: str) -> list[tuple[int, str]]:
+        if doc_id not in texts:
+            texts[doc_id] = lookup(doc_id)
+        return windows(query, texts[doc_id]) if windows else [(0, texts[doc_id])]
 
     rows = [{"qid": str(qid), "doc_id": doc_id, "passage": p, "query": queries[qid], "doc": part}
             for qid, doc_ids in rerank_candidates(queries, run, depth).items() for doc_id in doc_ids
-            for p, part in enumerate(passages(doc_id))]
+            for p, part in passages(queries[qid], doc_id)]
     if sort_by_length:
         rows.sort(key=lambda r: len(r["query"]) + len(r["doc"]))
     return rows
@@ -221,13 +223,16 @@ class CheckpointReranker:
     much of a document longer than the model reads (its ``document_pieces``) is scored: 0 every window
     of that many word pieces, a quarter of each shared with the next (``ckray.models.encoders.text_windows``),
     the document scoring as its best window; 1 the first window, cut where the model cuts it (as
-    trained); N the first N windows.
+    trained); N windows of those, chosen by ``window_choice`` (``ckray.windows``): ``"query"`` the N
+    matching the query best, weighted by the IDF of ``workdir``'s corpus (the first N without a corpus to
+    count), ``"first"`` the first N.
     """
 
     model_path: str
     doc_text: DocText
     workdir: str | None = None
     passages: int = DEFAULT_RERANK_PASSAGES
+    window_choice: str = DEFAULT_WINDOW_CHOICE
     batch_size: int = 16
     use_ray: bool = False
     num_actors: int = 1
@@ -235,11 +240,13 @@ class CheckpointReranker:
     num_gpus_per_actor: float | None = None
     _model: Any = field(default=None, init=False, repr=False)
     _statistics: Any = field(default=None, init=False, repr=False)
+    _windows: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.passages < 0:
             raise ConfigError.invalid("CheckpointReranker", "passages",
                                       f"must be >= 0 (0: every window of a document), got {self.passages}")
+        check_window_choice("CheckpointReranker", self.window_choice)
 
     @property
     def model(self) -> Any:
@@ -256,14 +263,37 @@ class CheckpointReranker:
         return self._model
 
     def windows(self) -> Windows | None:
-        """How a candidate's text is cut for the model (``passages``): None, the text whole and the model
-        cutting it, at ``passages`` 1 or for a model that does not say how much it reads."""
-        from ckray.models.encoders import text_windows
-
+        """The windows of a candidate the model reads for a query (``passages``, ``window_choice``): None,
+        the text whole and the model cutting it, at ``passages`` 1 or for a model that does not say how
+        much it reads."""
         pieces = getattr(self.model, "document_pieces", None)
         if self.passages == 1 or pieces is None:
             return None
-        return functools.partial(text_windows, self.model.tokenizer, max_length=pieces, max_windows=self.passages)
+        if self._windows is None:
+            choice, idf = self.window_choice, None
+            if choice == "query" and self.passages:
+                stats = self._window_statistics(pieces)
+                if stats is None:
+                    log.warning("%s: no corpus in %s to weigh the query's word pieces by; a long document's "
+                                "first %d windows are read", self.model_path, self.workdir, self.passages)
+                    choice = "first"
+                else:
+                    idf = stats.idf.numpy()
+            elif choice == "query":
+                choice = "first"    # every window is read: nothing to choose
+            self._windows = CandidateWindows(self.model.tokenizer, pieces, self.passages, choice, idf)
+        return self._windows
+
+    def _window_statistics(self, pieces: int) -> Any:
+        """The word-piece statistics of ``workdir``'s corpus, tokenised as the model reads it (None
+        without a corpus): the IDF that weighs a query's word pieces in its windows."""
+        from ckray.data.statistics import Tokenisation, cached_corpus_statistics, has_corpus
+
+        if self.workdir is None or not has_corpus(self.workdir):
+            return None
+        config = self.model.config
+        name = getattr(config, "tokenizer", None) or config.encoder
+        return cached_corpus_statistics(self.workdir, Tokenisation(name, len(self.model.tokenizer), pieces))
 
     @property
     def settings(self) -> dict:
@@ -272,6 +302,9 @@ class CheckpointReranker:
         from ckray.data.statistics import statistics_stamp
 
         out = {"reranker_passages": self.passages}
+        windows = self.windows()
+        if windows is not None and self.passages:
+            out["reranker_window_choice"] = windows.choice
         if self.model is not None and self._statistics is not None:
             out["reranker_collection_statistics"] = statistics_stamp(self.workdir, self._statistics)
         return out

@@ -146,3 +146,37 @@ def test_a_negative_rerank_passages_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="rerank_passages"):
         EvaluateConfig(data="d", workdir="w", rerank_passages=-1)
     assert EvaluateConfig(data="d", workdir="w", rerank_passages=0).rerank_passages == 0
+    with pytest.raises(ConfigError, match="rerank_window_choice"):
+        EvaluateConfig(data="d", workdir="w", rerank_window_choice="middle")
+
+
+@pytest.mark.slow
+def test_with_a_corpus_a_reranker_reads_the_windows_that_match_the_query(checkpoint, ray_session, tmp_path):
+    """passages N < a document's windows: the N windows whose word pieces match the query best, weighted by
+    the IDF of the work directory's corpus (counted on Ray), read in order; ``first``: the first N."""
+    import pyarrow as pa
+
+    from ckray.data.collections import CORPUS_SCHEMA
+    from ckray.data.shards import write_corpus_shards
+
+    docs = {**DOCS, "long": LONG}
+    write_corpus_shards(tmp_path, [pa.table([list(docs), [""] * len(docs), list(docs.values())],
+                                            schema=CORPUS_SCHEMA)], "test")
+    model = load_model(checkpoint)
+    parts = text_windows(model.tokenizer, LONG, model.document_pieces)
+    per_window = model.score_texts([QUERIES["q3"]] * len(parts), parts).tolist()
+    run = {"q3": [("long", 3.0), ("d3", 2.0), ("d5", 1.0)]}
+    last = len(parts) - 1                       # the only window holding "sleep … memory"
+    assert last >= 2 and "memory" in parts[last] and not any("memory" in p for p in parts[:last])
+
+    by_query = CheckpointReranker(str(checkpoint), docs, workdir=str(tmp_path), passages=2, batch_size=2)
+    chosen = [i for i, _ in by_query.windows()(QUERIES["q3"], LONG)]
+    assert len(chosen) == 2 and last in chosen and by_query.settings["reranker_window_choice"] == "query"
+    got = dict(by_query.rerank(QUERIES, run, depth=3)["q3"])
+    assert got["long"] == pytest.approx(max(per_window[i] for i in chosen), abs=1e-5)
+
+    first = CheckpointReranker(str(checkpoint), docs, workdir=str(tmp_path), passages=2, window_choice="first")
+    assert dict(first.rerank(QUERIES, run, depth=3)["q3"])["long"] == pytest.approx(max(per_window[:2]), abs=1e-5)
+    assert first.settings["reranker_window_choice"] == "first"
+    with pytest.raises(Exception, match="window_choice"):
+        CheckpointReranker(str(checkpoint), docs, window_choice="middle")

@@ -71,16 +71,22 @@ def document_windows(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], m
     return windows, per_text
 
 
-def text_windows(tokenizer: PreTrainedTokenizerBase, text: str, max_length: int, max_windows: int = 0) -> list[str]:
-    """``text`` as the spans of its :func:`document_windows` (without special tokens): each window's text
-    from its first word piece's first character to its last piece's last one, for a model that takes
-    text and reads ``max_length`` word pieces of it. A text that fits one window (or an empty one) is
-    returned whole, as the only window."""
+def text_window_pieces(tokenizer: PreTrainedTokenizerBase, text: str,
+                       max_length: int) -> tuple[list[str], list[list[int]]]:
+    """``text`` as the spans of its :func:`document_windows` (without special tokens), with each window's word
+    pieces: each window's text runs from its first word piece's first character to its last piece's last
+    one, for a model that takes text and reads ``max_length`` word pieces of it. A text that fits one
+    window (or an empty one) is returned whole, as the only window."""
     enc = _overflowing(tokenizer, text, max_length, add_special_tokens=False, return_offsets_mapping=True)
-    spans = [(offsets[0][0], offsets[-1][1]) for offsets in enc["offset_mapping"] if offsets]
-    if len(spans) <= 1:
-        return [text]
-    return [text[a:b] for a, b in spans[: max_windows or None]]
+    kept = [(offsets, ids) for offsets, ids in zip(enc["offset_mapping"], enc["input_ids"]) if offsets]
+    if len(kept) <= 1:
+        return [text], [ids for _, ids in kept] or [[]]
+    return [text[offsets[0][0]:offsets[-1][1]] for offsets, _ in kept], [ids for _, ids in kept]
+
+
+def text_windows(tokenizer: PreTrainedTokenizerBase, text: str, max_length: int, max_windows: int = 0) -> list[str]:
+    """The texts of :func:`text_window_pieces`, the first ``max_windows`` of them (0: all)."""
+    return text_window_pieces(tokenizer, text, max_length)[0][: max_windows or None]
 
 
 def load_encoder(name_or_path: str | None = None, num_layers: int | None = None) -> PreTrainedModel:
