@@ -79,16 +79,18 @@ def metrics_path(workdir, pipeline: str, split: str) -> Path:
 
 
 def interpolation_stamps(workdir: str | os.PathLike, first: str, reranker: str,
-                         passages: int = DEFAULT_RERANK_PASSAGES) -> dict[str, str | int]:
+                         passages: int = DEFAULT_RERANK_PASSAGES,
+                         window_choice: str = DEFAULT_WINDOW_CHOICE) -> dict[str, str | int]:
     """What a tuned ``first+reranker`` weight depends on besides the depth: the reranker checkpoint
     (``checkpoint_digest``), the first stage's index (``first_stage_digest``) and the windows of a long
-    document the reranker reads (``reranker_passages``)."""
+    document the reranker reads (``reranker_passages``, ``reranker_window_choice``)."""
     from ckray.models.checkpoint import checkpoint_digest
-    from ckray.pipelines import checkpoint_dir, first_stage_digest, reranker_passages
+    from ckray.pipelines import checkpoint_dir, first_stage_digest, reranker_passages, reranker_window_choice
 
     return {"checkpoint_stamp": checkpoint_digest(checkpoint_dir(workdir, reranker)),
             "first_stage_stamp": first_stage_digest(workdir, first),
-            "reranker_passages": reranker_passages(reranker, passages)}
+            "reranker_passages": reranker_passages(reranker, passages),
+            "reranker_window_choice": reranker_window_choice(reranker, passages, window_choice)}
 
 
 def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qrels: dict, rerank_depth: int,
@@ -112,7 +114,7 @@ def tune_interpolation(workdir: str, pipeline: str, queries: dict[str, str], qre
     reranked = pipe.reranker.rerank(dev_q, first_run, depth=rerank_depth)
     config = dataclasses.replace(tune_weight(first_run, reranked, dev_qrels, rerank_depth,
                                              rule=rule or DEFAULT_WEIGHT_RULE),
-                                 **interpolation_stamps(workdir, first, reranker, rerank_passages))
+                                 **interpolation_stamps(workdir, first, reranker, rerank_passages, window_choice))
     save_interpolation(workdir, first, reranker, config)
     save_with_checkpoint(workdir, first, reranker, config)
     return config
@@ -126,12 +128,13 @@ def save_with_checkpoint(workdir: str, first: str, reranker: str, config) -> Non
 
     save_fusion_weight(checkpoint_dir(workdir, reranker), first, {
         "weight": config.weight, "depth": config.depth, "rule": config.rule,
-        "reranker_passages": config.reranker_passages, "first_stage_models": first_stage_models(workdir, first),
+        "reranker_passages": config.reranker_passages, "reranker_window_choice": config.reranker_window_choice,
+        "first_stage_models": first_stage_models(workdir, first),
         "tuned_on": {"workdir": str(Path(workdir).resolve()), "dev_queries": config.dev_queries}})
 
 
 def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: int,
-                        rerank_passages: int = DEFAULT_RERANK_PASSAGES):
+                        rerank_passages: int = DEFAULT_RERANK_PASSAGES, window_choice: str = DEFAULT_WINDOW_CHOICE):
     """For a collection with no training queries: the ``w`` saved with the reranker's checkpoint for
     this first stage (``ckray.deploy``), written to ``W/fusion`` with its ``source`` and this work
     directory's stamps. A MissingArtifactError when none was saved; a ConfigError when the saved ones
@@ -162,11 +165,12 @@ def carry_interpolation(workdir: str, first: str, reranker: str, rerank_depth: i
     if int(carried.get("depth", rerank_depth)) != rerank_depth:
         log.warning("%s+%s: w = %s was tuned at rerank depth %s, used here at %d", first, reranker,
                     carried["weight"], carried.get("depth"), rerank_depth)
-    stamps = interpolation_stamps(workdir, first, reranker, rerank_passages)
-    if int(carried.get("reranker_passages", 1)) != stamps["reranker_passages"]:
-        log.warning("%s+%s: w = %s was tuned with the reranker reading %s window(s) of a long document, used here "
-                    "with %s (0: every one)", first, reranker, carried["weight"], carried.get("reranker_passages", 1),
-                    stamps["reranker_passages"])
+    stamps = interpolation_stamps(workdir, first, reranker, rerank_passages, window_choice)
+    tuned_with = (int(carried.get("reranker_passages", 1)), carried.get("reranker_window_choice", "first"))
+    if tuned_with != (stamps["reranker_passages"], stamps["reranker_window_choice"]):
+        log.warning("%s+%s: w = %s was tuned with the reranker reading %s window(s) of a long document (%s), used "
+                    "here with %s (%s; 0: every one)", first, reranker, carried["weight"], *tuned_with,
+                    stamps["reranker_passages"], stamps["reranker_window_choice"])
     config = InterpolationConfig(weight=float(carried["weight"]), depth=rerank_depth,
                                  table={}, source=source_of(checkpoint), rule=carried.get("rule", "best"),
                                  **stamps)
@@ -183,14 +187,15 @@ def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], q
     ``train_split`` (``tune_interpolation``) or, when the collection has no such split, the one saved
     with the checkpoint (``carry_interpolation``). ``rule``: how a tuned ``w`` is chosen
     (``ckray.fusion.grid_search``; default ``DEFAULT_WEIGHT_RULE``); one chosen by another is tuned again,
-    as is one tuned with the reranker reading other windows of long documents (``rerank_passages``)."""
+    as is one tuned with the reranker reading other windows of long documents (``rerank_passages``,
+    ``window_choice``)."""
     from ckray.fusion import fusion_path, load_interpolation
     from ckray.pipelines import parse_pipeline
 
     rule = rule or DEFAULT_WEIGHT_RULE
     first, reranker = parse_pipeline(pipeline)
     tuned = load_interpolation(workdir, first, reranker) if fusion_path(workdir, first, reranker).exists() else None
-    stamps = interpolation_stamps(workdir, first, reranker, rerank_passages)
+    stamps = interpolation_stamps(workdir, first, reranker, rerank_passages, window_choice)
     if (tuned is None or tuned.depth != rerank_depth or tuned.source   # a carried w is read again: it may have been re-tuned
             or (train_split in qrels and tuned.rule != rule)
             or any(getattr(tuned, field) != stamp for field, stamp in stamps.items())):
@@ -198,7 +203,7 @@ def ensure_interpolation(workdir: str, pipeline: str, queries: dict[str, str], q
             tuned = tune_interpolation(workdir, pipeline, queries, qrels, rerank_depth, train_split, rule,
                                        rerank_passages, window_choice)
         else:
-            tuned = carry_interpolation(workdir, first, reranker, rerank_depth, rerank_passages)
+            tuned = carry_interpolation(workdir, first, reranker, rerank_depth, rerank_passages, window_choice)
     elif not tuned.source:  # tuned here before checkpoints carried their settings: saved with it now
         from ckray.deploy import read_deploy
         from ckray.pipelines import checkpoint_dir

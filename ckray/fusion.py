@@ -250,6 +250,7 @@ class InterpolationConfig:
     source: str = ""               # where a weight not tuned here came from (a checkpoint's deploy.json, ckray.deploy)
     rule: str = "best"             # how it was chosen from ``table`` (grid_search); files from before the rule say nothing: "best"
     reranker_passages: int = 1     # windows of a long document the reranker read (``ckray.rerank``); files from before: 1
+    reranker_window_choice: str = "first"   # which of them (``ckray.windows``); files from before: the first
 
 
 def tune_weight(first: Run, reranked: Run, qrels: Mapping[str, Mapping[str, int]], depth: int,

@@ -125,6 +125,13 @@ def reranker_passages(name: str, passages: int) -> int:
     return 1 if rankers.reranker_factory(name) is not None else passages
 
 
+def reranker_window_choice(name: str, passages: int, choice: str) -> str:
+    """Which windows of a long document reranker ``name`` reads when asked for ``passages`` chosen by
+    ``choice`` (``ckray.windows``): ``choice`` when some windows are chosen among more, ``"first"`` when none
+    are (one window, every window, or a reranker with its own factory)."""
+    return choice if reranker_passages(name, passages) not in (0, 1) else "first"
+
+
 def build_reranker(name: str, workdir: str | os.PathLike, passages: int | None = None,
                    window_choice: str | None = None, **options) -> Reranker:
     """Reranker ``name`` over ``W/checkpoints/<name>``; ``passages`` and ``window_choice``: the windows of a

@@ -181,18 +181,18 @@ def test_saved_weight_is_reused_until_the_reranker_its_windows_or_the_first_stag
     bm25_meta.write_text(json.dumps({"shards": "first build"}))
     tunings = []
 
-    def tune(workdir, pipeline, queries, qrels, depth, train_split, rule, passages):  # the real one reranks the dev queries
+    def tune(workdir, pipeline, queries, qrels, depth, train_split, rule, passages, choice):  # the real one reranks
         tunings.append(depth)
-        config = InterpolationConfig(weight=0.5, depth=depth, rule=rule,
-                                     **ckray.evaluation.interpolation_stamps(workdir, "bm25", "cedr-knrm", passages))
+        config = InterpolationConfig(weight=0.5, depth=depth, rule=rule, **ckray.evaluation.interpolation_stamps(
+            workdir, "bm25", "cedr-knrm", passages, choice))
         save_interpolation(workdir, "bm25", "cedr-knrm", config)
         return config
 
     monkeypatch.setattr(ckray.evaluation, "tune_interpolation", tune)
 
-    def ensure(depth=30, passages=1):
+    def ensure(depth=30, passages=1, choice="query"):
         return ckray.evaluation.ensure_interpolation(str(tmp_path), "bm25+cedr-knrm", {}, {"train": {}}, depth,
-                                                     rerank_passages=passages)
+                                                     rerank_passages=passages, window_choice=choice)
 
     ensure(), ensure()
     assert tunings == [30]                       # tuned once, then reused
@@ -212,6 +212,13 @@ def test_saved_weight_is_reused_until_the_reranker_its_windows_or_the_first_stag
     ensure(depth=50, passages=0), ensure(depth=50, passages=0)
     assert tunings == [30, 30, 30, 50, 50, 50]   # the reranker reads every window of a long document: once more
     assert load_interpolation(tmp_path, "bm25", "cedr-knrm").reranker_passages == 0
+    ensure(depth=50, passages=0, choice="first")
+    assert len(tunings) == 6                     # every window is read: no choice to make, nothing to tune
+    ensure(depth=50, passages=4), ensure(depth=50, passages=4, choice="query")
+    assert len(tunings) == 7                     # four windows, those matching the query: once more
+    ensure(depth=50, passages=4, choice="first")
+    assert len(tunings) == 8                     # the first four instead
+    assert load_interpolation(tmp_path, "bm25", "cedr-knrm").reranker_window_choice == "first"
 
 
 def test_without_training_queries_the_weight_saved_with_the_checkpoint_is_used_for_its_first_stage_only(tmp_path):
