@@ -69,7 +69,7 @@ class CandidateWindows:
     passages: int
     choice: str = DEFAULT_WINDOW_CHOICE
     idf: np.ndarray | None = None
-    cache_size: int = 4096
+    cache_size: int = 1024
     _cut: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -61,3 +61,8 @@ def test_paired_runs_prints_each_shared_run_s_mean_difference_and_its_standard_e
     # q1: 1 − 1/log2(3) = 0.3691, q2: 0 → mean 0.1845, standard error 0.1845
     assert "bm25 " in out and "+0.1845  0.1845" in out and "ck-qti" not in out
     assert paired([str(tmp_path / "a"), str(tmp_path / "b"), "--data", str(data), "--split", "train"]) == 1
+    # --against: every run of A against B's bm25 (here ck-qti, in A only, is compared too)
+    assert paired([str(tmp_path / "a"), str(tmp_path / "b"), "--data", str(data), "--against", "bm25"]) == 0
+    out = capsys.readouterr().out
+    assert "ck-qti" in out and out.count("+0.1845  0.1845") == 2
+    assert paired([str(tmp_path / "a"), str(tmp_path / "b"), "--data", str(data), "--against", "clear"]) == 1
