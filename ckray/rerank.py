@@ -270,30 +270,24 @@ class CheckpointReranker:
         if self.passages == 1 or pieces is None:
             return None
         if self._windows is None:
-            choice, idf = self.window_choice, None
-            if choice == "query" and self.passages:
-                stats = self._window_statistics(pieces)
-                if stats is None:
-                    log.warning("%s: no corpus in %s to weigh the query's word pieces by; a long document's "
-                                "first %d windows are read", self.model_path, self.workdir, self.passages)
-                    choice = "first"
-                else:
-                    idf = stats.idf.numpy()
-            elif choice == "query":
-                choice = "first"    # every window is read: nothing to choose
+            choice = self.window_choice if self.passages else "first"   # every window is read: nothing to choose
+            idf = self._window_idf(pieces) if choice == "query" else None
+            if choice == "query" and idf is None:
+                log.warning("%s: no corpus in %s to weigh the query's word pieces by; a long document's "
+                            "first %d windows are read", self.model_path, self.workdir, self.passages)
+                choice = "first"
             self._windows = CandidateWindows(self.model.tokenizer, pieces, self.passages, choice, idf)
         return self._windows
 
-    def _window_statistics(self, pieces: int) -> Any:
-        """The word-piece statistics of ``workdir``'s corpus, tokenised as the model reads it (None
-        without a corpus): the IDF that weighs a query's word pieces in its windows."""
-        from ckray.data.statistics import Tokenisation, cached_corpus_statistics, has_corpus
+    def _window_idf(self, pieces: int) -> np.ndarray | None:
+        """The IDF of each word piece in ``workdir``'s corpus, tokenised as the model reads it (None without
+        a corpus): what weighs a query's word pieces in a candidate's windows."""
+        from ckray.data.statistics import Tokenisation, workdir_statistics
 
-        if self.workdir is None or not has_corpus(self.workdir):
-            return None
         config = self.model.config
         name = getattr(config, "tokenizer", None) or config.encoder
-        return cached_corpus_statistics(self.workdir, Tokenisation(name, len(self.model.tokenizer), pieces))
+        stats = workdir_statistics(self.workdir, Tokenisation(name, len(self.model.tokenizer), pieces))
+        return None if stats is None else stats.idf.numpy()
 
     @property
     def settings(self) -> dict:

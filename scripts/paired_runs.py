@@ -43,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         print(f"no run of split {args.split!r} in both {args.a / 'runs'} and {args.b / 'runs'}")
         return 1
+    def values(path: Path) -> list[float]:
+        return per_query_values(read_trec_run(path), qrels, args.measure)
+
+    against = values(baseline) if args.against else None   # read and judged once
     print(f"{'run':<32} {'A':>7} {'B':>7} {'A − B':>8} {'± se':>7}  ({args.measure}, {len(qrels)} queries)")
     for name in names:
-        b_run = baseline if args.against else args.b / "runs" / name
-        va, vb = (per_query_values(read_trec_run(path), qrels, args.measure) for path in (args.a / "runs" / name, b_run))
+        va = values(args.a / "runs" / name)
+        vb = against if against is not None else values(args.b / "runs" / name)
         diff, se = paired_difference(va, vb)
         print(f"{name[:-len(f'-{args.split}.trec')]:<32} {sum(va) / len(va):>7.4f} {sum(vb) / len(vb):>7.4f} "
               f"{diff:>+8.4f} {se:>7.4f}")

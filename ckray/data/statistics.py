@@ -154,13 +154,18 @@ def cached_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisat
     return stats
 
 
-def collection_statistics_for(model: object, workdir: str | os.PathLike | None) -> CorpusStats | None:
-    """The word-piece statistics of ``workdir``'s corpus that ``model`` reads (a model that reads any
-    names their ``collection_tokenisation``); None when it reads none, or without a corpus to count."""
-    tokenisation = getattr(model, "collection_tokenisation", None)
+def workdir_statistics(workdir: str | os.PathLike | None, tokenisation: Tokenisation | None) -> CorpusStats | None:
+    """:func:`cached_corpus_statistics` of ``workdir``'s corpus; None without a tokenisation, a work
+    directory or a corpus in it to count."""
     if tokenisation is None or workdir is None or not has_corpus(workdir):
         return None
     return cached_corpus_statistics(workdir, tokenisation)
+
+
+def collection_statistics_for(model: object, workdir: str | os.PathLike | None) -> CorpusStats | None:
+    """The word-piece statistics of ``workdir``'s corpus that ``model`` reads (a model that reads any
+    names their ``collection_tokenisation``); None when it reads none, or without a corpus to count."""
+    return workdir_statistics(workdir, getattr(model, "collection_tokenisation", None))
 
 
 def statistics_stamp(workdir: str | os.PathLike, stats: CorpusStats) -> dict:
