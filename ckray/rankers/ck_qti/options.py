@@ -43,6 +43,9 @@ DEFAULT_EXPLICIT_WEIGHT = 0.5
 # every window of a long document is read and a term weighs what its best window gives it: a long-document collection
 # of SciFact's held-out training queries chose it over the first window alone (docs/transfer.md, long documents)
 DEFAULT_PASSAGES = 0
+# β's exact-match score of a document read in windows is counted over the whole document, as BM25 counts it: the same
+# long-document dev collection chose it over each window's own (docs/transfer.md, long documents)
+DEFAULT_EXPLICIT_SCOPE = "document"
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class ImpactIndexOptions:
     passages: int = option(DEFAULT_PASSAGES, "read a document longer than the checkpoint's max_doc_len as up to this "
                                              "many overlapping windows, a term weighing what its best window gives it "
                                              "(0: every window, the whole document; 1: the first only, as trained)")
+    explicit_scope: str = option(DEFAULT_EXPLICIT_SCOPE, "where β's exact-match score of a document read in several "
+                                                        "windows is counted: over the whole document (TF and length, "
+                                                        "as BM25 counts them) or in each window",
+                                 choices=("document", "window"))
     save_settings: bool = option(False, "save this --top-k and --explicit-weight with the checkpoint (deploy.json), "
                                         "as chosen on its training collection's held-out queries: indexes of other "
                                         "collections then use them")

@@ -83,7 +83,8 @@ def build_index(args: argparse.Namespace) -> dict:
                           actors=args.actors, use_gpu=args.use_gpu, cpus_per_actor=args.cpus_per_actor,
                           resources_per_actor=args.resources_per_actor,
                           batch_size=args.batch_size, token_budget=args.token_budget,
-                          index_threads=args.index_threads, passages=args.passages)
+                          index_threads=args.index_threads, passages=args.passages,
+                          explicit_scope=args.explicit_scope)
     config.validate()
     if getattr(args, "save_settings", False):
         from ckray.deploy import save_deploy_setting

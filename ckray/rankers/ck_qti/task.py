@@ -132,7 +132,9 @@ class CKTask(RankerTask):
             return lambda queries, docs, bm25: model.score_texts(queries, docs)
         from ckray.rankers.ck_qti.impact import TermImpactScorer, impact_score, impact_vector, query_term_counts
 
-        scorer = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k))
+        # validation has no corpus to count mean lengths in: a document read in windows (rare among dev's
+        # candidates) gets each window's own exact-match score
+        scorer = TermImpactScorer(model, ImpactConfig(top_k=self.dev_top_k, explicit_scope="window"))
         vectors: dict[str, dict[int, float]] = {}
 
         def impact_scores(queries: list[str], docs: list[str], bm25: list[float]) -> torch.Tensor:
