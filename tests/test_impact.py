@@ -594,6 +594,8 @@ def test_ck_qti_reranker_orders_candidates_as_the_index_scores_them(built, retri
         assert len(common) >= 0.9 * len(b)  # terms tied at the top-k cut may swap
         for t in common:
             assert a[t] == pytest.approx(b[t], rel=1e-4, abs=1e-5)
+    # no corpus here to count the mean length read: a long document's exact match is counted per window, and said
+    assert built["config"].explicit_over_documents and fresh.settings["reranker_impact"]["explicit_scope"] == "window"
     # computed vectors are a bounded cache: the least recently used go first, a request's own never
     more = [d for d, _ in first[next(iter(queries))]]  # docs = more[:6], already computed
     fresh.cache_documents = 4
