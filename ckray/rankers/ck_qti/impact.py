@@ -46,9 +46,9 @@ best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). With ``explicit_s
 default) the exact-match part that β adds is counted over the whole document read, as BM25 counts it:
 ``w_td = max_p s_tp + β·s_explicit_td``, Eq. 9 with TF_td over all the windows and |d| their length,
 normalised by the collection's mean length of what is read (``document_length_scale``); the model's own
-s_tp stays its best window's. ``"window"`` adds each window's own (``w_td = max_p (s_tp + β·s_explicit_tp)``). A weight still depends on the term and
-the document only, so QTI and the index are unchanged, and a term counts wherever the document holds
-it, as BM25 counts it. ``passages=1`` reads the first window only (the truncation training reads); a
+s_tp stays its best window's. ``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
+A weight still depends on the term and the document only, so QTI and the index are unchanged, and a term
+counts wherever the document holds it, as BM25 counts it. ``passages=1`` reads the first window only (the truncation training reads); a
 document that fits one window is scored the same either way.
 
 **Exact-match weight at indexing** (``explicit_weight`` β, default 0.5). The stored impact may add the
