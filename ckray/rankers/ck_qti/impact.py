@@ -48,8 +48,8 @@ default) the exact-match part that β adds is counted over the whole document re
 normalised by the collection's mean length of what is read (``document_length_scale``); the model's own
 s_tp stays its best window's. ``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
 A weight still depends on the term and the document only, so QTI and the index are unchanged, and a term
-counts wherever the document holds it, as BM25 counts it. ``passages=1`` reads the first window only (the truncation training reads); a
-document that fits one window is scored the same either way.
+counts wherever the document holds it, as BM25 counts it. ``passages=1`` reads the first window only (the
+truncation training reads); a document that fits one window is scored the same either way.
 
 **Exact-match weight at indexing** (``explicit_weight`` β, default 0.5). The stored impact may add the
 model's own explicit score once more, ``w_td = s_td + β·s_explicit_td`` (Eq. 9: its learned, batch-scaled
@@ -387,7 +387,8 @@ def document_length_scale(workdir: str | os.PathLike, checkpoint: str | os.PathL
     model = _check_checkpoint(checkpoint)["config"]
     window = int(model["max_doc_len"])
     read = window + (config.passages - 1) * (window - passage_overlap(window)) if config.passages else 2 ** 31 - 1
-    whole = statistics.cached_corpus_statistics(workdir, Tokenisation(model.get("encoder"), int(model["vocab_size"]), read))
+    reading = Tokenisation(model.get("encoder"), int(model["vocab_size"]), read)
+    whole = statistics.cached_corpus_statistics(workdir, reading)
     return corpus.mean_doc_len / whole.mean_doc_len if whole.mean_doc_len else 1.0
 
 
