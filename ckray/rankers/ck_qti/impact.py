@@ -379,16 +379,15 @@ def document_length_scale(workdir: str | os.PathLike, checkpoint: str | os.PathL
     over its mean counted over every window read (at most ``config.passages``; cached in ``W/statistics``),
     as BM25 normalises |d| by the mean length of the documents it searches. 1 when β's exact-match score
     is counted per window (``config.explicit_over_documents`` false)."""
-    from ckray.data.statistics import Tokenisation
     from ckray.models.encoders import passage_overlap
+    from ckray.rankers.ck_qti.model import CKConfig, piece_tokenisation
 
     if not config.explicit_over_documents:
         return 1.0
-    model = _check_checkpoint(checkpoint)["config"]
-    window = int(model["max_doc_len"])
+    model = CKConfig(**_check_checkpoint(checkpoint)["config"])
+    window = model.max_doc_len
     read = window + (config.passages - 1) * (window - passage_overlap(window)) if config.passages else 2 ** 31 - 1
-    reading = Tokenisation(model.get("encoder"), int(model["vocab_size"]), read)
-    whole = statistics.cached_corpus_statistics(workdir, reading)
+    whole = statistics.cached_corpus_statistics(workdir, piece_tokenisation(model, read))
     return corpus.mean_doc_len / whole.mean_doc_len if whole.mean_doc_len else 1.0
 
 

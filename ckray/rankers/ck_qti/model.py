@@ -345,9 +345,10 @@ def tokenize(texts: Sequence[str], max_len: int, encoder: str | None = None,
     return ids, torch.arange(n)[None, :] < lengths[:, None]
 
 
-def piece_tokenisation(config: CKConfig) -> Tokenisation:
-    """How CK-QTI reads a document: its encoder's word pieces, truncated at ``max_doc_len``."""
-    return Tokenisation(config.encoder, config.vocab_size, config.max_doc_len)
+def piece_tokenisation(config: CKConfig, read_length: int | None = None) -> Tokenisation:
+    """How CK-QTI reads a document: its encoder's word pieces, truncated at ``read_length`` (default
+    ``max_doc_len``, one window; longer where the impact index reads several)."""
+    return Tokenisation(config.encoder, config.vocab_size, read_length or config.max_doc_len)
 
 
 def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> CorpusStats:
