@@ -384,6 +384,32 @@ def test_every_document_exactly_once_after_a_lost_actor(built):
 
 
 @pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
+def test_an_impact_index_file_damaged_in_place_is_refused_then_rebuilt(built, tmp_path):
+    """The index's stamp records its Lucene files (size, sha256): a byte changed in place is refused
+    naming the file and the job, and the job rebuilds the index (its shards kept) to the same results."""
+    from ckray.data.collections import read_beir_queries
+
+    w = tmp_path / "w"
+    shutil.copytree(built["workdir"], w)   # times kept: the files stay older than their stamps
+    index = impact_index_dir(w)
+    queries = dict(list(read_beir_queries(Path(built["data"]) / "queries.jsonl").items())[:5])
+    before = impact_retriever(w).search(queries, k=10)
+    assert all(before.values())
+    damaged = max((f for f in index.iterdir() if f.name != META_FILE), key=lambda f: f.stat().st_size)
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as f:   # one byte overwritten, the size unchanged
+        f.seek(size // 2)
+        byte = f.read(1)[0]
+        f.seek(size // 2)
+        f.write(bytes([byte ^ 0xFF]))
+    with pytest.raises(MissingArtifactError, match=rf"index {index}: .*{damaged.name}.*jobs/build_impact_index.py"):
+        impact_retriever(w)
+    summary = build_impact_index(w, built["checkpoint"], built["config"])
+    assert summary["index_built"] and summary["shards_written"] == 0
+    assert impact_retriever(w).search(queries, k=10) == before
+
+
+@pytest.mark.slow  # the module's index build (Ray actors, Lucene): ~1 min on 2 cores
 def test_integrity_check_names_missing_and_repeated_documents(built, tmp_path):
     w = tmp_path / "w"
     shutil.copytree(built["workdir"] / "shards", w / "shards")

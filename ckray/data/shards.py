@@ -114,6 +114,22 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def check_index_files(directory: str | os.PathLike, stamp: str, rebuild: str) -> None:
+    """Refuse an index whose files are not those its stamp (the JSON file ``stamp`` in ``directory``,
+    key ``"files"``: a :func:`directory_record` written after them) describes: a
+    :class:`MissingArtifactError` naming the index, the changed files and the command that rebuilds it
+    (``rebuild``), never a search over a damaged file. A stamp without ``"files"`` checks nothing."""
+    directory = Path(directory)
+    path = directory / stamp
+    recorded = read_json(path).get("files")
+    if recorded is None:
+        return
+    changed = changed_files(directory, recorded, path.stat().st_mtime_ns, exclude=(stamp,))
+    if changed:
+        raise MissingArtifactError(f"index {directory}: {', '.join(changed)} differ(s) from what was written "
+                                   f"(missing, truncated or changed since); rebuild it with {rebuild}")
+
+
 def marker_path(shard: Path) -> Path:
     return shard.with_name(shard.name + ".done.json")
 
@@ -129,15 +145,14 @@ def mark_done(shard: str | os.PathLike, meta: dict) -> None:
 
 def is_done(shard: str | os.PathLike, meta: dict) -> bool:
     """True when ``shard`` is readable, has a marker whose fields equal ``meta``, and is the file the
-    marker describes: same row count and size always, and same sha256 unless the shard is older than
-    its marker (so a shard truncated or overwritten since is not done; a file system's coarse clock
-    can give both the same time, which checks the digest). Markers written before sizes and digests
+    marker describes: same row count always, and size and sha256 as :func:`file_unchanged` checks them
+    (so a shard truncated or overwritten since is not done). Markers written before sizes and digests
     were recorded are checked by row count only."""
     shard = Path(shard)
     marker = marker_path(shard)
     try:
         recorded = read_json(marker)
-        stat, marker_mtime = shard.stat(), marker.stat().st_mtime_ns
+        marker_mtime = marker.stat().st_mtime_ns
         rows = pq.read_metadata(shard).num_rows
     except Exception:
         return False
@@ -145,9 +160,50 @@ def is_done(shard: str | os.PathLike, meta: dict) -> bool:
         return False
     if "bytes" not in recorded:
         return True
-    if recorded["bytes"] != stat.st_size:
+    return file_unchanged(shard, recorded, marker_mtime)
+
+
+def file_record(path: str | os.PathLike) -> dict:
+    """What a stamp records of a file it describes: ``{"bytes": size, "sha256": digest}``."""
+    return {"bytes": Path(path).stat().st_size, "sha256": file_sha256(path)}
+
+
+def file_unchanged(path: str | os.PathLike, recorded: dict, recorded_ns: int) -> bool:
+    """True when ``path`` is the file ``recorded`` (a :func:`file_record`) describes: the same size
+    always, and the same sha256 unless the file is older than the record (``recorded_ns``: the mtime
+    of the stamp, written after the file). A file truncated or overwritten in place since is newer
+    than its stamp, so its digest is checked; a file system's coarse clock can give both the same
+    time, which checks the digest too."""
+    try:
+        stat = Path(path).stat()
+    except OSError:
         return False
-    return stat.st_mtime_ns < marker_mtime or recorded.get("sha256") == file_sha256(shard)
+    if recorded.get("bytes") != stat.st_size:
+        return False
+    return stat.st_mtime_ns < recorded_ns or recorded.get("sha256") == file_sha256(path)
+
+
+def directory_record(directory: str | os.PathLike, exclude: Iterable[str] = ()) -> dict[str, dict]:
+    """:func:`file_record` of every file directly in ``directory`` but ``exclude``d names (an index's
+    stamp records its own files this way)."""
+    skip = set(exclude)
+    return {f.name: file_record(f) for f in sorted(Path(directory).iterdir()) if f.is_file() and f.name not in skip}
+
+
+def changed_files(directory: str | os.PathLike, recorded: dict[str, dict | int], recorded_ns: int,
+                  exclude: Iterable[str] = ()) -> list[str]:
+    """The names of the files in ``directory`` that are not what :func:`directory_record` recorded:
+    missing, added, or changed (:func:`file_unchanged`). A record that holds only a size (an int, as
+    stamps written before digests were recorded do) is checked by size."""
+    skip = set(exclude)
+    present = {f.name for f in Path(directory).iterdir() if f.is_file() and f.name not in skip}
+    changed = sorted(present - set(recorded))
+    for name, record in sorted(recorded.items()):
+        record = record if isinstance(record, dict) else {"bytes": record}
+        size_only = "sha256" not in record
+        if not file_unchanged(Path(directory) / name, record, 2 ** 63 - 1 if size_only else recorded_ns):
+            changed.append(name)
+    return sorted(changed)
 
 
 def done_rows(shard: str | os.PathLike) -> int:

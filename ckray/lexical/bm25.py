@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 
 from ckray.data.collections import doc_text
 from ckray.workdir import WorkDir
-from ckray.data.shards import file_sha256, read_json, read_manifest, shard_paths, write_json_atomic
+from ckray.data.shards import (changed_files, check_index_files, directory_record, read_json, read_manifest,
+                               shard_paths, write_json_atomic)
 from ckray.errors import MissingArtifactError
 from ckray.lexical.anserini import run_anserini
 from ckray.lexical.pool import PooledRetriever
@@ -58,12 +59,14 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
     stamp = {"shards_sha256": manifest["input_sha256"], "documents": manifest["documents"]}
     if (index_dir / META).exists():
         recorded = read_json(index_dir / META)
-        if {k: recorded.get(k) for k in stamp} == stamp and recorded.get("files") == _index_files(index_dir):
+        changed = changed_files(index_dir, recorded["files"], (index_dir / META).stat().st_mtime_ns,
+                                exclude=(META,)) if "files" in recorded else None
+        if {k: recorded.get(k) for k in stamp} == stamp and changed == []:
             log.info("BM25 index %s is up to date", index_dir)
             return index_dir
-        if recorded.get("files") not in (None, _index_files(index_dir)):
-            log.warning("BM25 index %s: its files differ from what was written (truncated or changed); rebuilding",
-                        index_dir)
+        if changed:
+            log.warning("BM25 index %s: %s differ(s) from what was written (truncated or changed); rebuilding",
+                        index_dir, ", ".join(changed))
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=Path(workdir)) as tmp:
         for shard in shard_paths(workdir):
@@ -72,14 +75,18 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
                     for did, title, text in zip(*(batch.column(c).to_pylist() for c in range(3))):
                         f.write(json.dumps({"id": did, "contents": doc_text(title, text)}) + "\n")
         index_json_collection(Path(tmp), index_dir, threads=threads)
-    write_json_atomic({**stamp, "files": _index_files(index_dir)}, index_dir / META)
+    write_json_atomic({**stamp, "files": directory_record(index_dir, exclude=(META,))}, index_dir / META)
     log.info("BM25 index of %d documents built in %.1fs", manifest["documents"], time.time() - t0)
     return index_dir
 
 
-def _index_files(index_dir: Path) -> dict[str, int]:
-    """Each Lucene file of the index and its size, as written: a truncated or replaced file shows."""
-    return {f.name: f.stat().st_size for f in sorted(index_dir.iterdir()) if f.is_file() and f.name != META}
+def check_bm25_index(index_dir: str | os.PathLike) -> None:
+    """:class:`MissingArtifactError` when there is no Lucene index at ``index_dir``, or its files are not
+    those its stamp records (``check_index_files``)."""
+    if (Path(index_dir) / META).exists():
+        check_index_files(index_dir, META, "jobs/prepare.py")
+    elif not any(Path(index_dir).glob("segments_*")):
+        raise MissingArtifactError(f"no Lucene index at {index_dir}: build it with jobs/prepare.py")
 
 
 @dataclass
@@ -92,8 +99,7 @@ class BM25Searcher:
     threads: int = 2
 
     def __post_init__(self):
-        if not (Path(self.index_dir) / META).exists() and not any(Path(self.index_dir).glob("segments_*")):
-            raise MissingArtifactError(f"no Lucene index at {self.index_dir}: build it with jobs/prepare.py")
+        check_bm25_index(self.index_dir)
         from ckray.lexical.jvm import ensure_jvm
 
         ensure_jvm()
@@ -139,6 +145,7 @@ def bm25_retriever(workdir: str | os.PathLike, k1: float = 0.9, b: float = 0.4, 
     a pool of Ray actors, each its own searcher with ``threads`` threads: ``actors`` of them, or with
     None as many as the cluster's CPUs hold (:mod:`ckray.lexical.pool`)."""
     if actors is None or actors > 0:
+        check_bm25_index(bm25_index_dir(workdir))   # here: an actor that fails to open it dies in its creation
         factory = functools.partial(bm25_retriever, str(Path(workdir).resolve()), k1=k1, b=b, threads=threads)
         return PooledRetriever(factory, actors=actors, cpus_per_actor=threads)
     return BM25Searcher(str(bm25_index_dir(workdir)), k1=k1, b=b, threads=threads)

@@ -110,7 +110,8 @@ import pyarrow.parquet as pq
 from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
                                    timing_columns, validate_checks)
 from ckray.data import statistics
-from ckray.data.shards import mark_done, read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic
+from ckray.data.shards import (changed_files, check_index_files, directory_record, mark_done, read_json, read_manifest,
+                               shard_paths, write_json_atomic, write_parquet_atomic)
 from ckray.data.statistics import has_corpus
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
@@ -874,13 +875,13 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
     }
     if settings_source is not None:
         meta["settings_source"] = settings_source
-    if (index / META_FILE).exists() and read_json(index / META_FILE) == meta:
+    if _index_up_to_date(index, meta):
         log.info("impact index %s is up to date", index)
         summary["index_built"] = False
     else:
         t0 = time.perf_counter()
         index_json_collection(jsonl_dir(workdir), index, threads=config.index_threads, impact=True)
-        write_json_atomic(meta, index / META_FILE)
+        write_json_atomic({**meta, "files": directory_record(index, exclude=(META_FILE,))}, index / META_FILE)
         summary["index_built"] = True
         summary["index_seconds"] = time.perf_counter() - t0
         log.info("impact index of %d documents built in %.1fs (scale %.4g)", documents,
@@ -888,6 +889,21 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
     summary.update(index_dir=str(index), scale=scale, total_documents=documents, empty_vectors=empty,
                    index_bytes=_directory_size(index))
     return summary
+
+
+def _index_up_to_date(index: Path, meta: dict) -> bool:
+    """Whether the Lucene index at ``index`` was built with ``meta`` and its files are those it recorded."""
+    if not (index / META_FILE).exists():
+        return False
+    recorded = read_json(index / META_FILE)
+    files = recorded.pop("files", None)
+    if recorded != meta:
+        return False
+    changed = changed_files(index, files, (index / META_FILE).stat().st_mtime_ns, exclude=(META_FILE,)) if files else []
+    if changed:
+        log.warning("impact index %s: %s differ(s) from what was written (truncated or changed); rebuilding",
+                    index, ", ".join(changed))
+    return not changed
 
 
 def _jsonl_digest(workdir: str | os.PathLike) -> str:
@@ -978,6 +994,7 @@ class ImpactRetriever:
 
     def __post_init__(self) -> None:
         self.meta = read_index_meta(self.index_dir)
+        check_index_files(self.index_dir, META_FILE, "jobs/build_impact_index.py")
         self.scale = float(self.meta["scale"])
         from ckray.lexical.jvm import ensure_jvm
 

@@ -58,7 +58,8 @@ import pyarrow.parquet as pq
 
 from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
                                    timing_columns, validate_checks)
-from ckray.data.shards import mark_done, shard_paths, write_json_atomic, write_parquet_atomic
+from ckray.data.shards import (check_index_files, directory_record, mark_done, shard_paths, write_json_atomic,
+                               write_parquet_atomic)
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, DEFAULT_LAMBDA_RULE, Candidates, Run, check_hybrid_normalization,
                           check_weight_rule, grid_search, judged_queries, linear_fusion)
@@ -503,7 +504,8 @@ class DenseIndex:
     # -- persistence ---------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write index, ids and metadata to a temporary directory, then rename it into place."""
+        """Write index, ids and metadata (with a record of the other two files, checked by :meth:`load`)
+        to a temporary directory, then rename it into place."""
         import faiss
 
         directory = Path(directory)
@@ -511,7 +513,8 @@ class DenseIndex:
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         faiss.write_index(self.index, str(tmp / INDEX_FILE))
         pq.write_table(self._row_table(), tmp / IDS_FILE)
-        (tmp / META_FILE).write_text(json.dumps(self.meta, indent=2, sort_keys=True))
+        files = directory_record(tmp, exclude=(META_FILE,))
+        (tmp / META_FILE).write_text(json.dumps({**self.meta, "files": files}, indent=2, sort_keys=True))
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -526,9 +529,11 @@ class DenseIndex:
         if missing:
             raise MissingArtifactError(f"no dense index at {directory} ({', '.join(missing)} missing): "
                                        f"build it with jobs/build_dense_index.py")
+        check_index_files(directory, META_FILE, "jobs/build_dense_index.py")
         index = faiss.read_index(str(directory / INDEX_FILE))
         rows = pq.read_table(directory / IDS_FILE)   # Arrow strings: no Python object per id
         meta = json.loads((directory / META_FILE).read_text())
+        meta.pop("files", None)
         if index.ntotal != rows.num_rows:
             raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {rows.num_rows} ids; "
                                        f"rebuild it")
