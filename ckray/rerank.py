@@ -192,10 +192,12 @@ def rerank(model_path: str | os.PathLike, queries: Mapping[str, str], run: Run, 
 
     from ckray.batch_inference import (ActorPoolConfig, KeyedRows, ckray_errors_surfaced, ensure_ray, map_on_actors,
                                        raise_if_missing)
+    from ckray.models.checkpoint import verify_checkpoint
 
     rows = rerank_pairs(queries, run, doc_text, depth, windows=windows)
     if not rows:
         return merge_scores(run, {}, depth)
+    verify_checkpoint(model_path)   # here, not in each actor's creation (Ray would report it as a dead actor)
     ensure_ray()
     pool = ActorPoolConfig(actors=num_actors, use_gpu=bool(num_gpus_per_actor), cpus_per_actor=num_cpus_per_actor,
                            batch_size=batch_size, gpus_per_actor=num_gpus_per_actor or 1.0)

@@ -51,7 +51,7 @@ import swagger_ui_bundle
 
 from ckray import __version__
 from ckray import rankers as registry
-from ckray.errors import ConfigError
+from ckray.errors import CkrayError, ConfigError
 from ckray.fusion import RRF_K, FusedRetriever, Hits, reciprocal_rank_fusion  # noqa: F401 (FusedRetriever: re-exported)
 from ckray.pipelines import build_retriever, checkpoint_dir, is_interpolated, parse_pipeline, served_by_default
 
@@ -183,7 +183,15 @@ def reranker_missing(name: str, workdir: str | os.PathLike) -> str | None:
         return f"unknown reranker {name!r}; known: {', '.join(sorted(registry.rerankers()))}"
     path = checkpoint_dir(workdir, name)
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).is_file()]
-    return f"no checkpoint at {path} (missing {', '.join(missing)})" if missing else None
+    if missing:
+        return f"no checkpoint at {path} (missing {', '.join(missing)})"
+    from ckray.models.checkpoint import verify_checkpoint   # (torch: not imported by the ingress)
+
+    try:   # damaged weights: reported here, not as replicas that die loading them
+        verify_checkpoint(path)
+    except CkrayError as e:
+        return str(e)
+    return None
 
 
 def deployment_options(kind: str, name: str, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:

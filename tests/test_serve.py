@@ -4,6 +4,7 @@ and restarted. One application (Serve on a free loopback port) serves the whole 
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import time
@@ -99,6 +100,25 @@ def test_artifact_checks(tmp_path):
     assert retriever_missing(RetrieverSpec(name="bm25"), tmp_path) is None
     assert "no checkpoint" in reranker_missing("cedr-knrm", tmp_path)
     assert "unknown reranker" in reranker_missing("nope", tmp_path)
+
+
+def test_a_reranker_with_damaged_weights_is_reported_unavailable_with_the_reason(tmp_path):
+    import torch
+
+    from ckray.models.checkpoint import WEIGHTS_FILE, save_model
+    from ckray.rankers.cedr.model import CEDRConfig, CEDRRanker
+
+    tiny = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = save_model(CEDRRanker(CEDRConfig(variant="knrm", random_init=tiny, max_length=64, max_query_len=8)),
+                      tmp_path / "checkpoints" / "cedr-knrm")
+    assert reranker_missing("cedr-knrm", tmp_path) is None
+    weights = path / WEIGHTS_FILE
+    os.truncate(weights, weights.stat().st_size - 1)
+    assert reranker_missing("cedr-knrm", tmp_path) == (
+        f"checkpoint {path}: {WEIGHTS_FILE} has {weights.stat().st_size} bytes, config.json records "
+        f"{weights.stat().st_size + 1}; it is truncated or corrupted, re-train or restore it")
 
 
 # ----------------------------------------------------------------------------- the served application

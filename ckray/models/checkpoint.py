@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ckray.data.shards import file_sha256, write_failed
+from ckray.data.shards import file_sha256, file_unchanged, write_failed
 from ckray.errors import MissingArtifactError
 
 CONFIG_FILE = "config.json"
@@ -121,16 +121,27 @@ def read_training_data_config(path: str | os.PathLike) -> dict:
         raise MissingArtifactError(f"{summary}: not a training summary ({e}); re-train or remove it") from e
 
 
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """``config.json``'s payload of a whole checkpoint: its weights are there and are the file it records
+    (size; sha256 when the weights are not older than ``config.json``), else :class:`MissingArtifactError`
+    naming ``path``. A driver checks this before its Ray actors load the model, so a damaged checkpoint
+    ends the job with that one line, not as actors that died in their creation."""
+    payload = read_checkpoint_config(path)
+    if not (Path(path) / WEIGHTS_FILE).exists():
+        raise MissingArtifactError(f"checkpoint {path} has no {WEIGHTS_FILE}; it is half-written, re-train")
+    _check_weights(path, payload)
+    return payload
+
+
 def checkpoint_digest(path: str | os.PathLike) -> str:
     """sha256 over a checkpoint's config and weights (names and bytes): what an index, a tuned weight
     or a stamp made with this model records, so work done with another model is redone. Not
-    ``train_summary.json``, which re-running a finished training rewrites with the same model."""
-    read_checkpoint_config(path)  # MissingArtifactError naming the path when there is no checkpoint
+    ``train_summary.json``, which re-running a finished training rewrites with the same model. The
+    checkpoint is verified first (:func:`verify_checkpoint`)."""
+    verify_checkpoint(path)
     h = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         file = Path(path) / name
-        if not file.exists():
-            raise MissingArtifactError(f"checkpoint {path} has no {name}; it is half-written, re-train")
         h.update(name.encode())
         with open(file, "rb") as f:
             while block := f.read(1 << 22):
@@ -142,11 +153,8 @@ def read_checkpoint(path: str | os.PathLike,
                     map_location: str | torch.device = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
     """``config.json``'s payload and the tensors of ``model.safetensors``; a missing or half-written
     checkpoint raises :class:`MissingArtifactError` naming ``path``."""
-    payload = read_checkpoint_config(path)
+    payload = verify_checkpoint(path)
     weights = Path(path) / WEIGHTS_FILE
-    if not weights.exists():
-        raise MissingArtifactError(f"checkpoint {path} has no {WEIGHTS_FILE}; it is half-written, re-train")
-    _check_weights(path, payload)
     try:
         return payload, load_file(str(weights), device=str(map_location))
     except (SafetensorError, OSError, RuntimeError) as e:
@@ -164,7 +172,8 @@ def _check_weights(path: str | os.PathLike, payload: dict) -> None:
     if size != payload["weights_bytes"]:
         raise MissingArtifactError(f"checkpoint {path}: {WEIGHTS_FILE} has {size} bytes, {CONFIG_FILE} records "
                                    f"{payload['weights_bytes']}; it is truncated or corrupted, re-train or restore it")
-    if weights.stat().st_mtime_ns >= config.stat().st_mtime_ns and file_sha256(weights) != payload.get("weights_sha256"):
+    recorded = {"bytes": payload["weights_bytes"], "sha256": payload.get("weights_sha256")}
+    if not file_unchanged(weights, recorded, config.stat().st_mtime_ns):   # the shard markers' rule
         raise MissingArtifactError(f"checkpoint {path}: {WEIGHTS_FILE} does not match the sha256 {CONFIG_FILE} "
                                    "records; it is corrupted, re-train or restore it")
 

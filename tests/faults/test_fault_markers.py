@@ -109,3 +109,20 @@ def test_weights_with_a_broken_header_are_refused_with_the_path(checkpoint):
     (checkpoint / CONFIG_FILE).write_text(__import__("json").dumps(payload))
     with pytest.raises(MissingArtifactError, match=rf"{checkpoint}.*unreadable"):
         load_model(checkpoint)
+
+
+@pytest.mark.parametrize("user", ["ray reranking", "an index job's digest"])
+def test_a_damaged_checkpoint_is_refused_on_the_driver_before_any_actor_loads_it(checkpoint, user):
+    """Ray reranking and the index jobs (which record the checkpoint's digest first) check the weights on
+    the driver: a Ray actor that failed to load them would die in its creation and Ray would report a
+    dead actor with its traceback, not the one line naming the checkpoint."""
+    from ckray.models.checkpoint import WEIGHTS_FILE, checkpoint_digest
+    from ckray.rerank import rerank
+
+    weights = checkpoint / WEIGHTS_FILE
+    flip_byte(weights, weights.stat().st_size - 100)
+    with pytest.raises(MissingArtifactError, match=rf"checkpoint {checkpoint}: .*sha256"):
+        if user == "ray reranking":
+            rerank(checkpoint, {"q": "a query"}, {"q": [("d", 1.0)]}, {"d": "a document"}, depth=1)
+        else:
+            checkpoint_digest(checkpoint)
