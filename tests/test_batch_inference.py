@@ -244,6 +244,27 @@ def test_batch_reranking_scores_each_pair_once_after_a_lost_actor(tmp_path, ray_
         assert dict(out["run"][q]) == pytest.approx(dict(local[q]), abs=1e-5)
 
 
+@pytest.mark.slow
+def test_a_ckray_error_in_a_reranking_actor_reaches_the_caller_as_its_own_message(tmp_path, ray_session):
+    """Ray reranking (ckray.rerank) surfaces a CkrayError its actor's model raised as itself: the same
+    type and one-line message, not Ray's RayTaskError or Ray Data's wrapper and their tracebacks."""
+    from refusing_ranker import REFUSED, RefusingModel, refusal
+    from toy_ranker import ToyConfig
+
+    from ckray.models.checkpoint import save_model
+    from ckray.rerank import rerank
+
+    checkpoint = save_model(RefusingModel(ToyConfig(buckets=64)), tmp_path / "refusing")
+    docs = {f"d{i}": f"plain words number {i}" for i in range(12)}
+    docs["d7"] = f"words and one {REFUSED} word"
+    queries = {"q1": "plain words", "q2": "number word"}
+    run = {q: [(d, float(12 - i)) for i, d in enumerate(docs)] for q in queries}
+    assert rerank(checkpoint, queries, {q: hits[:7] for q, hits in run.items()}, docs, depth=7, batch_size=4)
+    with pytest.raises(CollectionError) as raised:
+        rerank(checkpoint, queries, run, docs, depth=12, batch_size=4)
+    assert type(raised.value) is CollectionError and str(raised.value) == refusal(docs["d7"])
+
+
 def test_an_actor_pool_that_takes_every_cpu_is_warned_about(ray_session, caplog):
     """Ray Data's read tasks need a CPU beside the pool's; without one the job waits forever."""
     import logging
