@@ -248,13 +248,12 @@ def test_batch_reranking_scores_each_pair_once_after_a_lost_actor(tmp_path, ray_
 def test_a_ckray_error_in_a_reranking_actor_reaches_the_caller_as_its_own_message(tmp_path, ray_session):
     """Ray reranking (ckray.rerank) surfaces a CkrayError its actor's model raised as itself: the same
     type and one-line message, not Ray's RayTaskError or Ray Data's wrapper and their tracebacks."""
-    from refusing_ranker import REFUSED, RefusingModel, refusal
-    from toy_ranker import ToyConfig
+    from refusing_ranker import REFUSED, RefusingConfig, RefusingModel, refusal
 
     from ckray.models.checkpoint import save_model
     from ckray.rerank import rerank
 
-    checkpoint = save_model(RefusingModel(ToyConfig(buckets=64)), tmp_path / "refusing")
+    checkpoint = save_model(RefusingModel(RefusingConfig()), tmp_path / "refusing")
     docs = {f"d{i}": f"plain words number {i}" for i in range(12)}
     docs["d7"] = f"words and one {REFUSED} word"
     queries = {"q1": "plain words", "q2": "number word"}
