@@ -51,6 +51,7 @@ import swagger_ui_bundle
 
 from ckray import __version__
 from ckray import rankers as registry
+from ckray.data.shards import check_index_files
 from ckray.errors import CkrayError, ConfigError
 from ckray.fusion import RRF_K, FusedRetriever, Hits, reciprocal_rank_fusion  # noqa: F401 (FusedRetriever: re-exported)
 from ckray.pipelines import build_retriever, checkpoint_dir, is_interpolated, parse_pipeline, served_by_default
@@ -175,7 +176,15 @@ def retriever_missing(spec: RetrieverSpec, workdir: str | os.PathLike) -> str | 
     if not artifacts:
         return _probe_retriever(spec.factory, str(workdir), spec.options)
     missing = [p for p in artifacts if not _is_present(Path(workdir) / p)]
-    return f"missing {', '.join(str(Path(workdir) / p) for p in missing)}" if missing else None
+    if missing:
+        return f"missing {', '.join(str(Path(workdir) / p) for p in missing)}"
+    try:   # an index whose stamp records its files: a damaged one is reported here, not by dying replicas
+        for stamp in (Path(workdir) / f for f in known[spec.factory].stamp_files):
+            if stamp.is_file():
+                check_index_files(stamp.parent, stamp.name)
+    except CkrayError as e:
+        return str(e)
+    return None
 
 
 def reranker_missing(name: str, workdir: str | os.PathLike) -> str | None:

@@ -114,18 +114,30 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def check_index_files(directory: str | os.PathLike, stamp: str, rebuild: str) -> None:
+# the keys of an index's stamp that describe its files (:func:`index_files_record`)
+INDEX_FILES_KEYS = ("files", "rebuild_with")
+
+
+def index_files_record(directory: str | os.PathLike, stamp: str, rebuild: str) -> dict:
+    """What an index's stamp (the JSON file ``stamp`` in ``directory``, written after the index) adds to
+    record its files: ``{"files": directory_record(...), "rebuild_with": rebuild}``, ``rebuild`` being
+    the command that rebuilds the index (what :func:`check_index_files` tells a user)."""
+    return {"files": directory_record(directory, exclude=(stamp,)), "rebuild_with": rebuild}
+
+
+def check_index_files(directory: str | os.PathLike, stamp: str) -> None:
     """Refuse an index whose files are not those its stamp (the JSON file ``stamp`` in ``directory``,
-    key ``"files"``: a :func:`directory_record` written after them) describes: a
-    :class:`MissingArtifactError` naming the index, the changed files and the command that rebuilds it
-    (``rebuild``), never a search over a damaged file. A stamp without ``"files"`` checks nothing."""
+    with an :func:`index_files_record`) describes: a :class:`MissingArtifactError` naming the index, the
+    changed files and the command that rebuilds it, never a search over a damaged file. A stamp that
+    records no files checks nothing."""
     directory = Path(directory)
     path = directory / stamp
-    recorded = read_json(path).get("files")
-    if recorded is None:
+    recorded = read_json(path)
+    if recorded.get("files") is None:
         return
-    changed = changed_files(directory, recorded, path.stat().st_mtime_ns, exclude=(stamp,))
+    changed = changed_files(directory, recorded["files"], path.stat().st_mtime_ns, exclude=(stamp,))
     if changed:
+        rebuild = recorded.get("rebuild_with", "the job that built it")
         raise MissingArtifactError(f"index {directory}: {', '.join(changed)} differ(s) from what was written "
                                    f"(missing, truncated or changed since); rebuild it with {rebuild}")
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ckray.data.collections import doc_text
 from ckray.workdir import WorkDir
-from ckray.data.shards import (changed_files, check_index_files, directory_record, read_json, read_manifest,
+from ckray.data.shards import (changed_files, check_index_files, index_files_record, read_json, read_manifest,
                                shard_paths, write_json_atomic)
 from ckray.errors import MissingArtifactError
 from ckray.lexical.anserini import run_anserini
@@ -75,7 +75,7 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
                     for did, title, text in zip(*(batch.column(c).to_pylist() for c in range(3))):
                         f.write(json.dumps({"id": did, "contents": doc_text(title, text)}) + "\n")
         index_json_collection(Path(tmp), index_dir, threads=threads)
-    write_json_atomic({**stamp, "files": directory_record(index_dir, exclude=(META,))}, index_dir / META)
+    write_json_atomic({**stamp, **index_files_record(index_dir, META, "jobs/prepare.py")}, index_dir / META)
     log.info("BM25 index of %d documents built in %.1fs", manifest["documents"], time.time() - t0)
     return index_dir
 
@@ -84,7 +84,7 @@ def check_bm25_index(index_dir: str | os.PathLike) -> None:
     """:class:`MissingArtifactError` when there is no Lucene index at ``index_dir``, or its files are not
     those its stamp records (``check_index_files``)."""
     if (Path(index_dir) / META).exists():
-        check_index_files(index_dir, META, "jobs/prepare.py")
+        check_index_files(index_dir, META)
     elif not any(Path(index_dir).glob("segments_*")):
         raise MissingArtifactError(f"no Lucene index at {index_dir}: build it with jobs/prepare.py")
 

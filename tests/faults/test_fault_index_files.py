@@ -5,6 +5,7 @@ rebuilds it. (The impact index's case is in tests/test_impact.py, beside the ind
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -13,7 +14,7 @@ import pytest
 
 from faultkit import flip_byte
 
-from ckray.data.shards import changed_files, check_index_files, directory_record, write_json_atomic
+from ckray.data.shards import changed_files, check_index_files, index_files_record, write_json_atomic
 from ckray.errors import MissingArtifactError
 
 
@@ -26,19 +27,19 @@ def test_a_file_changed_in_place_at_its_size_is_found_and_an_untouched_copy_is_n
     d.mkdir()
     for name, size in (("a.bin", 4096), ("b.bin", 100)):
         (d / name).write_bytes(np.random.default_rng(len(name) + size).bytes(size))
-    write_json_atomic({"files": directory_record(d, exclude=("stamp.json",))}, d / "stamp.json")
-    check_index_files(d, "stamp.json", "the job")   # as written: accepted
+    write_json_atomic(index_files_record(d, "stamp.json", "the job"), d / "stamp.json")
+    check_index_files(d, "stamp.json")   # as written: accepted
 
     copy = tmp_path / "copy"
     shutil.copytree(d, copy, copy_function=shutil.copy)   # new times: a file newer than the stamp is hashed
-    check_index_files(copy, "stamp.json", "the job")
+    check_index_files(copy, "stamp.json")
 
     flip_byte(d / "a.bin", 2048)
     (d / "c.bin").write_bytes(b"x")
     os.remove(d / "b.bin")
     assert (d / "a.bin").stat().st_size == 4096
     with pytest.raises(MissingArtifactError, match=rf"index {d}: a\.bin, b\.bin, c\.bin differ.*rebuild it with the job"):
-        check_index_files(d, "stamp.json", "the job")
+        check_index_files(d, "stamp.json")
 
 
 def test_a_record_of_sizes_only_is_checked_by_size(tmp_path):
@@ -59,6 +60,7 @@ def test_bm25_index_file_corrupted_in_place_is_refused_then_rebuilt_by_prepare(r
     """(``ray_session``: Ray starts before this process's JVM, ``ckray.lexical.jvm``.)"""
     from ckray.data.collections import read_beir_queries
     from ckray.lexical.bm25 import META, BM25Searcher, bm25_index_dir, bm25_retriever, build_bm25_index
+    from ckray.serve import RetrieverSpec, retriever_missing
 
     w = tmp_path / "w"
     shutil.copytree(reference, w)
@@ -66,6 +68,7 @@ def test_bm25_index_file_corrupted_in_place_is_refused_then_rebuilt_by_prepare(r
     queries = dict(list(read_beir_queries(sample_data / "queries.jsonl").items())[:5])
     before = BM25Searcher(str(index), threads=1).search(queries, k=10)
     assert all(before.values())
+    assert retriever_missing(RetrieverSpec(name="bm25"), w) is None
     damaged = _biggest(index, META)
     size = damaged.stat().st_size
     flip_byte(damaged, size // 2)
@@ -75,6 +78,7 @@ def test_bm25_index_file_corrupted_in_place_is_refused_then_rebuilt_by_prepare(r
         BM25Searcher(str(index), threads=1)
     with pytest.raises(MissingArtifactError, match=refused):   # a pool of Ray actors: refused on the driver
         bm25_retriever(w, actors=1)
+    assert re.fullmatch(refused + ".*", retriever_missing(RetrieverSpec(name="bm25"), w))  # Serve: unavailable
     build_bm25_index(w, threads=1)
     assert BM25Searcher(str(index), threads=1).search(queries, k=10) == before
 

@@ -110,8 +110,8 @@ import pyarrow.parquet as pq
 from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
                                    timing_columns, validate_checks)
 from ckray.data import statistics
-from ckray.data.shards import (changed_files, check_index_files, directory_record, mark_done, read_json, read_manifest,
-                               shard_paths, write_json_atomic, write_parquet_atomic)
+from ckray.data.shards import (INDEX_FILES_KEYS, changed_files, check_index_files, index_files_record, mark_done,
+                               read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic)
 from ckray.data.statistics import has_corpus
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
@@ -881,7 +881,8 @@ def build_impact_index(workdir: str | os.PathLike, checkpoint: str | os.PathLike
     else:
         t0 = time.perf_counter()
         index_json_collection(jsonl_dir(workdir), index, threads=config.index_threads, impact=True)
-        write_json_atomic({**meta, "files": directory_record(index, exclude=(META_FILE,))}, index / META_FILE)
+        write_json_atomic({**meta, **index_files_record(index, META_FILE, "jobs/build_impact_index.py")},
+                          index / META_FILE)
         summary["index_built"] = True
         summary["index_seconds"] = time.perf_counter() - t0
         log.info("impact index of %d documents built in %.1fs (scale %.4g)", documents,
@@ -896,8 +897,8 @@ def _index_up_to_date(index: Path, meta: dict) -> bool:
     if not (index / META_FILE).exists():
         return False
     recorded = read_json(index / META_FILE)
-    files = recorded.pop("files", None)
-    if recorded != meta:
+    files = recorded.get("files")
+    if {k: v for k, v in recorded.items() if k not in INDEX_FILES_KEYS} != meta:
         return False
     changed = changed_files(index, files, (index / META_FILE).stat().st_mtime_ns, exclude=(META_FILE,)) if files else []
     if changed:
@@ -994,7 +995,7 @@ class ImpactRetriever:
 
     def __post_init__(self) -> None:
         self.meta = read_index_meta(self.index_dir)
-        check_index_files(self.index_dir, META_FILE, "jobs/build_impact_index.py")
+        check_index_files(self.index_dir, META_FILE)
         self.scale = float(self.meta["scale"])
         from ckray.lexical.jvm import ensure_jvm
 

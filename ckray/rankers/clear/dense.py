@@ -58,8 +58,8 @@ import pyarrow.parquet as pq
 
 from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
                                    timing_columns, validate_checks)
-from ckray.data.shards import (check_index_files, directory_record, mark_done, shard_paths, write_json_atomic,
-                               write_parquet_atomic)
+from ckray.data.shards import (INDEX_FILES_KEYS, check_index_files, index_files_record, mark_done, shard_paths,
+                               write_json_atomic, write_parquet_atomic)
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import (DEFAULT_HYBRID_NORMALIZATION, DEFAULT_LAMBDA_RULE, Candidates, Run, check_hybrid_normalization,
                           check_weight_rule, grid_search, judged_queries, linear_fusion)
@@ -513,8 +513,8 @@ class DenseIndex:
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         faiss.write_index(self.index, str(tmp / INDEX_FILE))
         pq.write_table(self._row_table(), tmp / IDS_FILE)
-        files = directory_record(tmp, exclude=(META_FILE,))
-        (tmp / META_FILE).write_text(json.dumps({**self.meta, "files": files}, indent=2, sort_keys=True))
+        files = index_files_record(tmp, META_FILE, "jobs/build_dense_index.py")
+        (tmp / META_FILE).write_text(json.dumps({**self.meta, **files}, indent=2, sort_keys=True))
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -529,11 +529,11 @@ class DenseIndex:
         if missing:
             raise MissingArtifactError(f"no dense index at {directory} ({', '.join(missing)} missing): "
                                        f"build it with jobs/build_dense_index.py")
-        check_index_files(directory, META_FILE, "jobs/build_dense_index.py")
+        check_index_files(directory, META_FILE)
         index = faiss.read_index(str(directory / INDEX_FILE))
         rows = pq.read_table(directory / IDS_FILE)   # Arrow strings: no Python object per id
         meta = json.loads((directory / META_FILE).read_text())
-        meta.pop("files", None)
+        meta = {k: v for k, v in meta.items() if k not in INDEX_FILES_KEYS}   # the stamp's, not the index's
         if index.ntotal != rows.num_rows:
             raise MissingArtifactError(f"dense index at {directory} has {index.ntotal} vectors but {rows.num_rows} ids; "
                                        f"rebuild it")
