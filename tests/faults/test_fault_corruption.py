@@ -1,6 +1,7 @@
 """A work directory's files damaged between runs, then the job run again: a corpus shard overwritten
 with the same size and a truncated negatives file are detected by their markers and rebuilt to the
-bytes of an undisturbed run; a damaged BM25 index is not detected yet (see docs/faults.md)."""
+bytes of an undisturbed run; a truncated BM25 index file is rebuilt (an index file damaged at its size:
+test_fault_index_files.py)."""
 
 from __future__ import annotations
 
