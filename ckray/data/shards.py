@@ -125,19 +125,25 @@ def index_files_record(directory: str | os.PathLike, stamp: str, rebuild: str) -
     return {"files": directory_record(directory, exclude=(stamp,)), "rebuild_with": rebuild}
 
 
+def index_files_changed(directory: str | os.PathLike, stamp: str) -> list[str] | None:
+    """The files of the index in ``directory`` that are not those its stamp (the JSON file ``stamp``
+    there, with an :func:`index_files_record`) describes (:func:`changed_files`); None when the stamp
+    records no files."""
+    path = Path(directory) / stamp
+    recorded = read_json(path).get("files")
+    if recorded is None:
+        return None
+    return changed_files(directory, recorded, path.stat().st_mtime_ns, exclude=(stamp,))
+
+
 def check_index_files(directory: str | os.PathLike, stamp: str) -> None:
-    """Refuse an index whose files are not those its stamp (the JSON file ``stamp`` in ``directory``,
-    with an :func:`index_files_record`) describes: a :class:`MissingArtifactError` naming the index, the
-    changed files and the command that rebuilds it, never a search over a damaged file. A stamp that
-    records no files checks nothing."""
+    """Refuse an index whose files are not those its stamp describes (:func:`index_files_changed`): a
+    :class:`MissingArtifactError` naming the index, the changed files and the command that rebuilds it,
+    never a search over a damaged file. A stamp that records no files checks nothing."""
     directory = Path(directory)
-    path = directory / stamp
-    recorded = read_json(path)
-    if recorded.get("files") is None:
-        return
-    changed = changed_files(directory, recorded["files"], path.stat().st_mtime_ns, exclude=(stamp,))
+    changed = index_files_changed(directory, stamp)
     if changed:
-        rebuild = recorded.get("rebuild_with", "the job that built it")
+        rebuild = read_json(directory / stamp).get("rebuild_with", "the job that built it")
         raise MissingArtifactError(f"index {directory}: {', '.join(changed)} differ(s) from what was written "
                                    f"(missing, truncated or changed since); rebuild it with {rebuild}")
 

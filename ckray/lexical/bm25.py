@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from ckray.data.collections import doc_text
 from ckray.workdir import WorkDir
-from ckray.data.shards import (changed_files, check_index_files, index_files_record, read_json, read_manifest,
-                               shard_paths, write_json_atomic)
+from ckray.data.shards import (check_index_files, index_files_changed, index_files_record, read_json,
+                               read_manifest, shard_paths, write_json_atomic)
 from ckray.errors import MissingArtifactError
 from ckray.lexical.anserini import run_anserini
 from ckray.lexical.pool import PooledRetriever
@@ -59,8 +59,7 @@ def build_bm25_index(workdir: str | os.PathLike, threads: int = 2) -> Path:
     stamp = {"shards_sha256": manifest["input_sha256"], "documents": manifest["documents"]}
     if (index_dir / META).exists():
         recorded = read_json(index_dir / META)
-        changed = changed_files(index_dir, recorded["files"], (index_dir / META).stat().st_mtime_ns,
-                                exclude=(META,)) if "files" in recorded else None
+        changed = index_files_changed(index_dir, META)   # None: a stamp that records no files is rebuilt
         if {k: recorded.get(k) for k in stamp} == stamp and changed == []:
             log.info("BM25 index %s is up to date", index_dir)
             return index_dir

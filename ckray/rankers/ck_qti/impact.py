@@ -110,8 +110,9 @@ import pyarrow.parquet as pq
 from ckray.batch_inference import (ActorPoolConfig, ShardJob, actor_device, crash_once, run_shard_job,
                                    timing_columns, validate_checks)
 from ckray.data import statistics
-from ckray.data.shards import (INDEX_FILES_KEYS, changed_files, check_index_files, index_files_record, mark_done,
-                               read_json, read_manifest, shard_paths, write_json_atomic, write_parquet_atomic)
+from ckray.data.shards import (INDEX_FILES_KEYS, check_index_files, index_files_changed, index_files_record,
+                               mark_done, read_json, read_manifest, shard_paths, write_json_atomic,
+                               write_parquet_atomic)
 from ckray.data.statistics import has_corpus
 from ckray.errors import CkrayError, ConfigError, MissingArtifactError
 from ckray.fusion import Run
@@ -897,10 +898,9 @@ def _index_up_to_date(index: Path, meta: dict) -> bool:
     if not (index / META_FILE).exists():
         return False
     recorded = read_json(index / META_FILE)
-    files = recorded.get("files")
     if {k: v for k, v in recorded.items() if k not in INDEX_FILES_KEYS} != meta:
         return False
-    changed = changed_files(index, files, (index / META_FILE).stat().st_mtime_ns, exclude=(META_FILE,)) if files else []
+    changed = index_files_changed(index, META_FILE) or []   # a stamp that records no files: as before
     if changed:
         log.warning("impact index %s: %s differ(s) from what was written (truncated or changed); rebuilding",
                     index, ", ".join(changed))
