@@ -62,7 +62,8 @@ def main() -> None:
     from ckray.eval import evaluate
     from ckray.fusion import measurement_splits
     from ckray.lexical.bm25 import bm25_retriever
-    from ckray.rankers.ck_qti.impact import corpus_adaptation, query_term_counts
+    from ckray.rankers.ck_qti.corpus_statistics import corpus_adaptation
+    from ckray.rankers.ck_qti.impact_search import query_term_counts
     from ckray.rankers.ck_qti.model import load_ck_model
     from ckray.ray_env import init_ray
 

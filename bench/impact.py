@@ -89,8 +89,9 @@ def main() -> None:
     from ckray.data.collections import doc_text, read_queries_and_qrels
     from ckray.data.prepare import PrepareConfig, prepare_shards
     from ckray.data.shards import load_corpus_table
-    from ckray.rankers.ck_qti.impact import (ImpactConfig, ImpactRetriever, build_impact_index, build_impact_shards,
-                                    impact_index_dir, impact_root)
+    from ckray.rankers.ck_qti.impact import build_impact_index, build_impact_shards, impact_index_dir, impact_root
+    from ckray.rankers.ck_qti.impact_search import ImpactRetriever
+    from ckray.rankers.ck_qti.impact_settings import ImpactConfig
     from ckray.lexical.bm25 import BM25Searcher, bm25_index_dir, build_bm25_index
     from ckray.ray_env import init_ray
 

@@ -8,7 +8,7 @@ training queries and reported on other collections, in one run.
 corpus shards and the BM25 index. A document's stored vector is its top-k terms by weight, its own
 word pieces and expansion terms mixed; ``--expansion-ratio r`` keeps every own term of those and only
 the best ``⌈r·u_d⌉`` expansion terms (u_d: the document's distinct word pieces,
-``ckray.rankers.ck_qti.impact.cap_expansion``). That is a cut of the stored vector, so each r is made
+``ckray.rankers.ck_qti.term_impacts.cap_expansion``). That is a cut of the stored vector, so each r is made
 from the uncapped shards without scoring again, exactly as a build with ``--expansion-ratio r``
 stores it, and indexed under ``OUT/<collection>/r<r>``.
 
@@ -60,7 +60,8 @@ def capped_copies(src_w: Path, dst: dict[float, Path], checkpoint: Path) -> None
 
     from ckray.data.shards import marker_path, read_json, shard_paths
     from ckray.models.checkpoint import read_checkpoint_config
-    from ckray.rankers.ck_qti.impact import cap_expansion, impact_shards_dir, impact_table, write_impact_shard
+    from ckray.rankers.ck_qti.impact import impact_shards_dir, impact_table, write_impact_shard
+    from ckray.rankers.ck_qti.term_impacts import cap_expansion
 
     cfg = read_checkpoint_config(checkpoint)["config"]
     corpus = {p.name: p for p in shard_paths(src_w)}
@@ -106,7 +107,8 @@ def main() -> None:
     from ckray.data.shards import DocStore
     from ckray.fusion import dev_queries
     from ckray.lexical.bm25 import bm25_retriever
-    from ckray.rankers.ck_qti.impact import ImpactConfig, impact_index_dir, read_index_meta
+    from ckray.rankers.ck_qti.impact import impact_index_dir, read_index_meta
+    from ckray.rankers.ck_qti.impact_settings import ImpactConfig
     from ckray.ray_env import init_ray
 
     checkpoint = Path(args.checkpoint or Path(args.workdir) / "checkpoints" / "ck-qti")

@@ -4,7 +4,7 @@
 
 ``W`` holds a built impact index of the checkpoint (``jobs/build_impact_index.py``) and BM25
 (``jobs/prepare.py``). Each rule turns a query into the terms of ``S_qd = Σ_{t∈q} count_t · s_td``
-(``ckray.rankers.ck_qti.impact.query_term_counts``):
+(``ckray.rankers.ck_qti.impact_search.query_term_counts``):
 
 * ``training``: every word piece, cut at the model's ``max_query_len``, as training tokenises queries;
 * ``all_pieces``: every word piece, not cut;
@@ -32,7 +32,7 @@ from bench.impact_topk import impact_bench_arguments  # noqa: E402
 
 def rules(max_query_len: int) -> dict[str, tuple[bool, int]]:
     """``{rule: (analyzed, max_pieces)}`` (module docstring)."""
-    from ckray.rankers.ck_qti.impact import MAX_QUERY_PIECES
+    from ckray.rankers.ck_qti.impact_search import MAX_QUERY_PIECES
 
     return {"training": (False, max_query_len), "all_pieces": (False, MAX_QUERY_PIECES),
             "analyzed_cut": (True, max_query_len), "analyzed": (True, MAX_QUERY_PIECES)}
@@ -48,7 +48,8 @@ def main() -> None:
     from ckray.fusion import measurement_splits
     from ckray.lexical.bm25 import bm25_retriever
     from ckray.models.checkpoint import read_checkpoint_config
-    from ckray.rankers.ck_qti.impact import ImpactRetriever, impact_index_dir
+    from ckray.rankers.ck_qti.impact import impact_index_dir
+    from ckray.rankers.ck_qti.impact_search import ImpactRetriever
     from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
     from ckray.rankers.ck_qti.model import CKConfig
     from ckray.ray_env import init_ray

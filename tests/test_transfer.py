@@ -1,7 +1,7 @@
 """Zero-shot transfer: a checkpoint applied to a corpus it was not trained on.
 
 CK-QTI's explicit match takes IDF and the mean document length from the corpus being indexed
-(``ckray.rankers.ck_qti.impact.corpus_adaptation``), as BM25 does: the same checkpoint gives on another
+(``ckray.rankers.ck_qti.corpus_statistics.corpus_adaptation``), as BM25 does: the same checkpoint gives on another
 corpus the impacts of a model whose ``set_idf`` was given that corpus's statistics, and on its own
 training corpus exactly what it gave before.
 """
@@ -18,7 +18,10 @@ import torch
 from ckray.data.collections import doc_text
 from ckray.data.shards import iter_doc_texts, load_corpus_table
 from ckray.models.checkpoint import save_model
-from ckray.rankers.ck_qti.impact import ImpactConfig, ImpactScorer, TermImpactScorer, corpus_adaptation
+from ckray.rankers.ck_qti.corpus_statistics import corpus_adaptation
+from ckray.rankers.ck_qti.impact import ImpactScorer
+from ckray.rankers.ck_qti.impact_settings import ImpactConfig
+from ckray.rankers.ck_qti.term_impacts import TermImpactScorer
 from ckray.rankers.ck_qti.model import CKModel, corpus_statistics, load_ck_model, small_config
 
 CONFIG = ImpactConfig(top_k=48, expansion_candidates=16)
@@ -65,7 +68,7 @@ def test_a_long_documents_length_is_scaled_by_the_corpus_mean_first_window_over_
     """document_length_scale: |d| of a document read in windows is normalised by the mean length of what the index
     reads of the corpus, as BM25 normalises by its avgdl; the index job's actors score with it."""
     from ckray.models.encoders import load_tokenizer
-    from ckray.rankers.ck_qti.impact import document_length_scale
+    from ckray.rankers.ck_qti.corpus_statistics import document_length_scale
 
     target = two_corpora["target"]
     torch.manual_seed(0)
@@ -230,7 +233,7 @@ def test_benchmark_applies_checkpoints_to_a_collection_without_training_queries(
 
 def test_impact_settings_saved_with_the_checkpoint_are_its_index_defaults_and_flags_override(two_corpora):
     from ckray.deploy import deploy_path, save_deploy_setting
-    from ckray.rankers.ck_qti.impact import deployed_impact_settings
+    from ckray.rankers.ck_qti.impact_settings import deployed_impact_settings
 
     checkpoint = two_corpora["checkpoint"]
     assert deployed_impact_settings(checkpoint) == (ImpactConfig.top_k, ImpactConfig.explicit_weight, None)

@@ -1,7 +1,7 @@
 """CK-QTI as a reranker, scored the way its impact index scores: ``bm25>ck-qti`` (``ck-qti-rerank``).
 
 With query term independence a document's CK-QTI representation does not depend on the query: its
-top-k term impacts ``{t: s_td}`` (``ckray.rankers.ck_qti.impact.TermImpactScorer``: the document's own terms and
+top-k term impacts ``{t: s_td}`` (``ckray.rankers.ck_qti.term_impacts.TermImpactScorer``: the document's own terms and
 expansion candidates, the ``top_k`` best kept). Reranking a candidate is then a lookup,
 
     S_qd = Σ_{t ∈ q} count_t · s_td · 1[t ∈ top_k(d)]
@@ -38,9 +38,11 @@ import pyarrow.parquet as pq
 
 from ckray.data.shards import marker_path, read_json
 from ckray.fusion import Run
-from ckray.rankers.ck_qti.impact import (MAX_QUERY_PIECES, ImpactConfig, _check_checkpoint, deployed_impact_settings,
-                                        impact_score, impact_shards_dir, impact_vector, query_term_counts,
-                                        query_terms_setting, recorded_settings)
+from ckray.rankers.ck_qti.impact import impact_shards_dir
+from ckray.rankers.ck_qti.impact_search import (MAX_QUERY_PIECES, impact_score, impact_vector, query_term_counts,
+                                                query_terms_setting)
+from ckray.rankers.ck_qti.impact_settings import (ImpactConfig, check_ck_qti_checkpoint, deployed_impact_settings,
+                                                  recorded_settings)
 
 log = logging.getLogger(__name__)
 Vector = dict[int, float]
@@ -118,7 +120,7 @@ class ImpactReranker:
     def __post_init__(self) -> None:
         from ckray.models.checkpoint import checkpoint_digest
 
-        model_config = _check_checkpoint(self.checkpoint)["config"]
+        model_config = check_ck_qti_checkpoint(self.checkpoint)["config"]
         self.settings_source = "given"
         if self.config is None:
             top_k, beta, source = deployed_impact_settings(self.checkpoint)
@@ -153,7 +155,8 @@ class ImpactReranker:
         if self._scorer is None:
             from ckray.data.statistics import has_corpus
             from ckray.device import default_device
-            from ckray.rankers.ck_qti.impact import TermImpactScorer, corpus_adaptation, document_length_scale
+            from ckray.rankers.ck_qti.corpus_statistics import corpus_adaptation, document_length_scale
+            from ckray.rankers.ck_qti.term_impacts import TermImpactScorer
             from ckray.rankers.ck_qti.model import load_ck_model
 
             model = load_ck_model(self.checkpoint)

@@ -22,7 +22,7 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
     """CK-QTI (or the full CK with ``qti=False``, the TK baseline with ``attention="quadratic"``): corpus
     statistics for the explicit-matching term, then the shared loop → W/checkpoints/<name>; the
     training data and loop from ``args`` (a training job's flags)."""
-    from ckray.rankers.ck_qti.impact import cached_corpus_statistics
+    from ckray.rankers.ck_qti.corpus_statistics import cached_corpus_statistics
     from ckray.rankers.ck_qti.model import CKConfig, explicit_training_statistics, tk_config
     from ckray.rankers.ck_qti.task import CKTask, matched_lengths
     from ckray.train_job import run_training, training_config, training_data
@@ -53,7 +53,7 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
 def record_training_corpus(checkpoint, stats, workdir) -> None:
     """Save the training corpus's N and mean length with the checkpoint (``ckray.deploy``, ``corpus``):
     an index of another corpus normalises lengths by its own mean relative to this one
-    (``ckray.rankers.ck_qti.impact.corpus_adaptation``)."""
+    (``ckray.rankers.ck_qti.corpus_statistics.corpus_adaptation``)."""
     from pathlib import Path
 
     from ckray.deploy import save_deploy_setting
@@ -71,11 +71,11 @@ def add_index_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_index(args: argparse.Namespace) -> dict:
     """The CK-QTI impact index (W/impact/index); returns ``build_impact_index``'s summary."""
     from ckray.data.prepare import prepare_collection
-    from ckray.rankers.ck_qti.impact import (ImpactConfig, _check_checkpoint, build_impact_index, default_checkpoint,
-                                             deployed_impact_settings)
+    from ckray.rankers.ck_qti.impact import build_impact_index, default_checkpoint
+    from ckray.rankers.ck_qti.impact_settings import ImpactConfig, check_ck_qti_checkpoint, deployed_impact_settings
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
-    _check_checkpoint(checkpoint)  # a clear error before any work
+    check_ck_qti_checkpoint(checkpoint)  # a clear error before any work
     top_k, explicit_weight, source = deployed_impact_settings(checkpoint, args.top_k, args.explicit_weight)
     config = ImpactConfig(top_k=top_k, explicit_weight=explicit_weight,
                           expansion_candidates=args.expansion_candidates, expansion_ratio=args.expansion_ratio,

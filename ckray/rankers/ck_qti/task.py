@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from ckray.rankers.ck_qti.impact import ImpactConfig
+from ckray.rankers.ck_qti.impact_settings import ImpactConfig
 from ckray.training import RankerTask
 
 if TYPE_CHECKING:
@@ -130,7 +130,8 @@ class CKTask(RankerTask):
         distinct document once, however many queries and chunks it appears in."""
         if not self._scores_dev_by_impacts:
             return lambda queries, docs, bm25: model.score_texts(queries, docs)
-        from ckray.rankers.ck_qti.impact import TermImpactScorer, impact_score, impact_vector, query_term_counts
+        from ckray.rankers.ck_qti.impact_search import impact_score, impact_vector, query_term_counts
+        from ckray.rankers.ck_qti.term_impacts import TermImpactScorer
 
         # validation has no corpus to count mean lengths in: a document read in windows (rare among dev's
         # candidates) gets each window's own exact-match score

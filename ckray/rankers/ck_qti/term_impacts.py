@@ -1,0 +1,284 @@
+"""A document's impact vector from a CK-QTI model: the terms it is stored under and their weights w_td.
+No Ray here: used by the index job's actors, by ``ck-qti-rerank``, by tests and by the benches.
+
+With query term independence a CK-QTI score is a sum over query terms, ``S_qd = Σ_{t∈q} s_td``, and
+``s_td`` depends on the term and the document only, so every document's term scores can be computed ahead
+of time (the paper's Sec. 3, "QTI"); ``ckray.rankers.ck_qti.impact`` stores them in an inverted index.
+
+**Which terms a document gets** (``TermImpactScorer``). A document is encoded once
+(``CKModel.encode_documents``). Its candidate terms are
+
+* its own word pieces (every distinct id), and
+* ``expansion_candidates`` (M, default 256) vocabulary terms chosen cheaply: the context-free term
+  vectors x₀ of the whole vocabulary (the QTI query-side encoder, ``encode_query_terms``; computed
+  once per actor, special tokens and ``[unused*]`` left out since text never tokenises to them) are
+  compared by cosine with the document. ``candidate_pool="window"`` (default) compares them with the
+  centroid of the document's normalised contextualised vectors in each pooling window (the same
+  ``pool_window``/``pool_stride`` windows the implicit sub-model pools kernel scores over; the cosine
+  with a centroid is the window's mean cosine up to a per-window factor) and ranks terms by their
+  best window: ``|V| × n/stride`` multiply-adds per dimension (SciFact on one CPU thread: ~10 ms a
+  document, against ~32 ms to encode it and ~55 ms to score its ~400 candidates).
+  ``candidate_pool="position"`` ranks by the best single position instead (``|V| × n``: ~210 ms a
+  document there, so meant for GPUs).
+
+All candidates are scored exactly with ``CKModel.term_scores`` (s_td = ReLU(α·explicit + (1−α)·implicit
++ b)); the ``top_k`` (default 256) best are kept — the paper's sparsification. Terms with s_td = 0
+are dropped. The model's score for a (query, document) pair over the kept terms is therefore
+exactly Σ of the stored weights of the query's terms.
+
+**Long documents** (``passages``, default 0: all). A document longer than the checkpoint's ``max_doc_len``
+is read as windows of that many word pieces, a quarter of each shared with the next
+(``ckray.models.encoders.document_windows``); each window is scored as above as a document of its own
+(its own terms, expansion candidates, top-k), and the document keeps every term of any window at its
+best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). With ``explicit_scope="document"`` (the
+default) the exact-match part that β adds is counted over the whole document read, as BM25 counts it:
+``w_td = max_p s_tp + β·s_explicit_td``, Eq. 9 with TF_td over all the windows and |d| their length,
+normalised by the collection's mean length of what is read (``document_length_scale``); the model's own
+s_tp stays its best window's. ``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
+A weight still depends on the term and the document only, so QTI and the index are unchanged, and a term
+counts wherever the document holds it, as BM25 counts it. ``passages=1`` reads the first window only (the
+truncation training reads); a document that fits one window is scored the same either way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from ckray.errors import ConfigError
+from ckray.rankers.ck_qti.impact_settings import ImpactConfig
+
+
+
+def expansion_vocabulary(vocab_size: int, encoder: str | None) -> np.ndarray:
+    """Vocabulary ids that text can tokenise to: all but [PAD]/[CLS]/… and ``[unused*]``."""
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer(encoder)
+    n = min(vocab_size, len(tok))
+    tokens = tok.convert_ids_to_tokens(list(range(n)))
+    special = set(tok.all_special_ids)
+    keep = [i for i, t in enumerate(tokens) if i not in special and not (t.startswith("[") and t.endswith("]"))]
+    return np.asarray(keep, dtype=np.int64)
+
+
+class TermImpactScorer:
+    """Impact vectors of documents from a CK-QTI model (see the module docstring).
+
+    ``score_texts(texts) -> list[(term_ids int32[k], weights float32[k])]``, weights descending.
+    ``document_length_scale`` multiplies the length of a document read in several windows before its
+    exact-match score (``explicit_scope="document"``): the corpus's mean first-window length over its mean
+    length read (:func:`document_length_scale`), so that a document of the mean length read is normalised
+    as the model normalises one of the mean first-window length; 1 where every document fits one window.
+    """
+
+    def __init__(self, model: Any, config: ImpactConfig | None = None, document_length_scale: float = 1.0):
+        import torch
+        import torch.nn.functional as F
+
+        self.config = config or ImpactConfig()
+        self.config.validate()
+        if not getattr(model.config, "qti", False) or not hasattr(model, "term_scores"):
+            raise ConfigError("impact indexing needs a CK-QTI checkpoint (a CKModel with qti=True): "
+                              f"got {type(model).__name__} with qti={getattr(model.config, 'qti', None)}")
+        self.model = model.eval()
+        self.device = model.device
+        self.document_length_scale = float(document_length_scale)
+        self.vocab = torch.as_tensor(expansion_vocabulary(model.config.vocab_size, model.config.encoder),
+                                     device=self.device)
+        with torch.no_grad():  # context-free term vectors x₀ of the whole (usable) vocabulary, unit length
+            self.vocab_vectors = F.normalize(model.encode_query_terms(self.vocab).float(), dim=-1, eps=1e-6)
+
+    # ----------------------------------------------------------------- candidates
+    def expansion(self, doc, m: int):
+        """Top-``m`` vocabulary ids per document by cosine of x₀ with the document ([B, m] long)."""
+        import torch
+
+        from ckray.models.kernels import pad_for_windows
+
+        B = len(doc)
+        m = min(m, len(self.vocab))
+        if m == 0:
+            return torch.zeros(B, 0, dtype=torch.long, device=self.device)
+        unit = doc.vectors.float() * (doc.inv_norm * doc.mask)[..., None]  # [B, n, d], 0 at padding
+        if self.config.candidate_pool == "window":
+            w, s = self.model.config.pool_window, self.model.config.pool_stride
+            targets = pad_for_windows(unit, w, s, dim=1).unfold(1, w, s).sum(-1)  # [B, nw, d]
+            valid = pad_for_windows(doc.mask.float(), w, s, dim=1).unfold(1, w, s).sum(-1) > 0
+            targets = torch.nn.functional.normalize(targets, dim=-1, eps=1e-6)
+        else:
+            targets, valid = unit, doc.mask
+        best = torch.empty(B, len(self.vocab), device=self.device)
+        rows = max(1, (1 << 24) // max(1, B * targets.shape[1]))  # vocabulary rows per chunk (≤ 64 MB)
+        for i in range(0, len(self.vocab), rows):
+            sim = torch.einsum("vd,bnd->bvn", self.vocab_vectors[i:i + rows], targets)
+            best[:, i:i + rows] = sim.masked_fill(~valid[:, None, :], -2.0).amax(-1)
+        return self.vocab[best.topk(m, dim=1).indices]
+
+    def candidates(self, doc) -> tuple[Any, Any]:
+        """Own distinct terms ∪ expansion terms, padded: (ids [B, T] long, mask [B, T] bool)."""
+        import torch
+
+        from ckray.rankers.ck_qti.model import pad_term_lists
+
+        exp = self.expansion(doc, self.config.expansion_candidates)
+        per_doc = []
+        for b, own in enumerate(doc.unique_terms()):
+            if own.numel() == 0:  # an empty document: nothing to index
+                per_doc.append(own)
+            else:
+                per_doc.append(torch.unique(torch.cat([own, exp[b]])))
+        return pad_term_lists(per_doc, self.device)
+
+    # ----------------------------------------------------------------- scoring
+    def term_weights(self, ids, doc, chunk_size: int = 256):
+        """The stored weight of terms ``ids`` ([T] or [B, T]) in documents already encoded:
+        w_td = s_td + β·s_explicit_td (β = ``explicit_weight``; w_td = s_td at β = 0). [B, T] float32."""
+        scores = self.model.term_scores(ids, doc, chunk_size=chunk_size).float()
+        if self.config.explicit_weight:
+            scores = scores + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
+        return scores
+
+    def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Top-k (term id, w_td) of documents already encoded, w_td = s_td + β·s_explicit_td > 0,
+        descending (w_td = s_td at β = 0), expansion terms capped by ``expansion_ratio``."""
+        import torch
+
+        ids, mask = self.candidates(doc)
+        B, n = doc.ids.shape
+        chunk = max(16, (1 << 25) // max(1, B * n * self.model.config.n_kernels))  # kernel tensor ≤ 128 MB
+        scores = self.term_weights(ids, doc, chunk_size=chunk).masked_fill(~mask, -math.inf)
+        k = min(self.config.top_k, ids.shape[1])
+        top, idx = scores.topk(k, dim=1)
+        top_ids = ids.gather(1, idx)
+        own = doc.unique_terms() if self.config.expansion_ratio is not None else [None] * B
+        out = []
+        for b in range(B):
+            keep = top[b] > 0
+            terms = top_ids[b][keep].to(torch.int32).cpu().numpy()
+            weights = top[b][keep].cpu().numpy().astype(np.float32)
+            if own[b] is not None:
+                terms, weights = cap_expansion(terms, weights, own[b].cpu().numpy(), self.config.expansion_ratio)
+            out.append((terms, weights))
+        return out
+
+    def score_texts(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Impact vectors of document texts (``doc_text(title, text)``), in input order: each window of
+        ``max_doc_len`` word pieces scored (:meth:`score_pieces`; the first ``passages``, 0: all), a
+        term's weight its best window's (:func:`best_window_weights`). A document that fits one window
+        is scored as one document, as before."""
+        from ckray.models.encoders import document_windows, load_tokenizer
+
+        if not len(texts):
+            return []
+        cfg = self.model.config
+        windows, per_text = document_windows(load_tokenizer(cfg.encoder), texts, cfg.max_doc_len, self.config.passages,
+                                             add_special_tokens=False)   # as ck_qti.model.tokenize reads one
+        scored = self.score_pieces(windows)
+        starts = np.cumsum([0] + per_text)
+        if not self.config.explicit_over_documents:
+            return [best_window_weights(scored[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+        return [best_window_weights(scored[a:b]) if b - a == 1 else self.document_weights(scored[a:b], windows[a:b])
+                for a, b in zip(starts[:-1], starts[1:])]
+
+    def document_weights(self, scored: Sequence[tuple[np.ndarray, np.ndarray]],
+                         windows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """One impact vector of a document read in several ``windows`` whose vectors are ``scored``: every
+        term kept in any window at ``w_td = max_p s_tp + β·s_explicit_td``, descending. A window's weight is
+        w_tp = s_tp + β·s_explicit_tp, so its s_tp is w_tp less β times Eq. 9 over the window's own pieces;
+        s_explicit_td is Eq. 9 over the whole document (:func:`whole_document_pieces`), its length scaled
+        by ``document_length_scale``."""
+        from ckray.models.encoders import passage_overlap
+
+        beta = self.config.explicit_weight
+        own = [(terms, weights - beta * self.explicit(terms, window, len(window)))
+               for (terms, weights), window in zip(scored, windows)]
+        terms, best = best_window_weights(own)
+        pieces = whole_document_pieces(windows, passage_overlap(self.model.config.max_doc_len))
+        weights = best + beta * self.explicit(terms, pieces, len(pieces) * self.document_length_scale)
+        order = np.argsort(-weights, kind="stable")
+        return terms[order], weights[order].astype(np.float32)
+
+    def explicit(self, terms: np.ndarray, pieces: Sequence[int], length: float) -> np.ndarray:
+        """The model's exact-match score (Eq. 9) of ``terms`` in a document of word ``pieces`` whose length
+        is taken as ``length``: float32 [T], 0 for a term that does not occur."""
+        import torch
+
+        present, counts = np.unique(np.asarray(pieces, np.int64), return_counts=True)
+        tf = np.zeros(len(terms), np.float32)
+        if len(present):
+            at = np.searchsorted(present, terms).clip(max=len(present) - 1)
+            hit = present[at] == terms
+            tf[hit] = counts[at[hit]]
+        with torch.no_grad():
+            scores = self.model.explicit_match(
+                torch.as_tensor(np.asarray(terms, np.int64), device=self.device)[None],
+                torch.as_tensor(tf, dtype=torch.float32, device=self.device)[None],
+                torch.tensor([float(length)], device=self.device))
+        return scores[0].float().cpu().numpy()
+
+    def score_pieces(self, pieces: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Impact vectors of word-piece sequences (each one document as the model reads it), in input order.
+
+        Sorted by length and encoded in groups of at most ``token_budget`` padded word pieces (padding
+        changes scores only by float rounding, ~1e-6; it costs time). Terms tied at the top-k cut to that
+        precision may swap between batchings."""
+        import torch
+
+        from ckray.rankers.ck_qti.model import pad_term_lists
+
+        lengths = [len(p) for p in pieces]
+        out: list[Any] = [None] * len(pieces)
+        group: list[int] = []
+
+        def flush() -> None:
+            ids, mask = pad_term_lists([torch.as_tensor(pieces[i], dtype=torch.long) for i in group], self.device)
+            with torch.no_grad():
+                doc = self.model.encode_documents(ids, mask)
+                for i, res in zip(group, self.score_encoded(doc)):
+                    out[i] = res
+            group.clear()
+
+        for i in sorted(range(len(pieces)), key=lambda i: lengths[i]):
+            if group and (len(group) + 1) * max(lengths[i], 1) > self.config.token_budget:
+                flush()
+            group.append(i)
+        if group:
+            flush()
+        return out
+
+
+def whole_document_pieces(windows: Sequence[Sequence[int]], overlap: int) -> list[int]:
+    """The word pieces of a document from its consecutive ``windows``, each sharing ``overlap`` pieces with
+    the one before (``ckray.models.encoders.document_windows``): each piece once."""
+    return [p for i, window in enumerate(windows) for p in (window if i == 0 else window[overlap:])]
+
+
+def best_window_weights(windows: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """One impact vector from a document's windows' vectors: every term kept in any window, at its best
+    window's weight, w_td = max_p w_tp, descending. A term's weight still depends on the term and the
+    document alone, so query term independence and the index are unchanged; a query is scored by
+    Σ_t max_p w_tp, each term where the document treats it best (term-level MaxP). One window: itself."""
+    if len(windows) == 1:
+        return windows[0]
+    terms = np.concatenate([t for t, _ in windows])
+    weights = np.concatenate([w for _, w in windows])
+    order = np.argsort(-weights, kind="stable")
+    terms, weights = terms[order], weights[order]
+    _, first = np.unique(terms, return_index=True)   # each term's first, i.e. largest, occurrence
+    keep = np.sort(first)
+    return terms[keep], weights[keep]
+
+
+def cap_expansion(terms: np.ndarray, weights: np.ndarray, own: np.ndarray,
+                  ratio: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """A weight-sorted impact vector with every term of ``own`` (the document's own word pieces) and
+    only the first ``⌈ratio·|own|⌉`` of the others (expansion terms); unchanged at ``ratio`` None.
+    A short document then gets few expansion terms, a long one as many as top-k leaves room for."""
+    if ratio is None:
+        return terms, weights
+    expansion = ~np.isin(terms, own)
+    keep = ~expansion | (np.cumsum(expansion) <= math.ceil(ratio * len(own)))
+    return terms[keep], weights[keep]
