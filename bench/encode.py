@@ -7,7 +7,7 @@ torch threads in total (``--cpus``), both sorting texts by length before batchin
 
 What is timed:
 * sentence-transformers: ``model.encode(texts)`` after a warm-up call (model load excluded).
-* Ray Data job (:func:`ckray.rankers.clear.dense.embed_corpus`, writing fresh embedding shards): end to end
+* Ray Data job (:func:`ckray.rankers.clear.embed.embed_corpus`, writing fresh embedding shards): end to end
   (actor start, model load, Parquet read, encoding, result transfer, shard writes) and *steady state*
   = documents completed after the first batch / time from the first to the last batch completion
   (the actors' clocks), i.e. once the actors are up, Ray's per-batch scheduling, Parquet reading and
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from ckray.data.collections import doc_text
-    from ckray.rankers.clear.dense import EmbedConfig, embed_corpus, read_embedding_shards
+    from ckray.rankers.clear.embed import EmbedConfig, embed_corpus, read_embedding_shards
     from ckray.models.checkpoint import save_model
     from ckray.rankers.clear.model import CLEAR, CLEARConfig
 

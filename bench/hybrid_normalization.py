@@ -9,7 +9,7 @@ are taken in order. ``--baseline-workdir`` (optional, one per ``--data``) holds 
 of the same collections, whose rows come first. The first collection must have training queries: for
 each model and each normalization of ``ckray.fusion.linear_fusion`` (``none``, the paper's Eq. 8 on raw
 scores; ``tmm``, each side normalised per query by its theoretical minimum and the query's maximum)
-λ_test is tuned on its held-out dev queries (``ckray.rankers.clear.dense.tune_lambda``, as
+λ_test is tuned on its held-out dev queries (``ckray.rankers.clear.hybrid.tune_lambda``, as
 ``jobs/build_dense_index.py`` does), then that λ is applied, unchanged, to ``--split`` of every
 collection (reported, never chosen on). The candidates (BM25's top 1000 ∪ the dense top 100, exact
 scores) are made once per model and collection; only the fusion differs between a model's rows. Each
@@ -54,7 +54,7 @@ def main() -> None:
     from ckray.eval import paired_difference, per_query
     from ckray.fusion import HYBRID_NORMALIZATIONS, linear_fusion, measurement_splits
     from ckray.lexical.bm25 import bm25_retriever
-    from ckray.rankers.clear.dense import HybridConfig, HybridRetriever, dense_retriever, tune_lambda
+    from ckray.rankers.clear.hybrid import HybridConfig, HybridRetriever, dense_retriever, tune_lambda
     from ckray.ray_env import init_ray
 
     init_ray()  # before the JVM (ckray.lexical.jvm)

@@ -183,7 +183,7 @@ def stage_dense_index(a: argparse.Namespace) -> dict:
 def stage_evaluate(a: argparse.Namespace) -> dict:
     from ckray import api
     from ckray.rankers.ck_qti.impact import impact_index_dir
-    from ckray.rankers.clear.dense import index_dir
+    from ckray.rankers.clear.layout import index_dir
 
     pipelines = ["bm25"] + (["ck-qti"] if impact_index_dir(a.workdir).is_dir() else []) + (
         ["clear"] if index_dir(a.workdir).is_dir() else [])

@@ -1,5 +1,5 @@
 """Ray Data batch inference on an actor pool: the one mechanism behind the CK-QTI impact job
-(``ckray.rankers.ck_qti.impact``), the CLEAR embedding job (``ckray.rankers.clear.dense``) and Ray reranking
+(``ckray.rankers.ck_qti.impact``), the CLEAR embedding job (``ckray.rankers.clear.embed``) and Ray reranking
 (``ckray.rerank``).
 
 Rows → ``Dataset.map_batches(<callable class>, compute=ActorPoolStrategy(size=actors))``

@@ -24,7 +24,7 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
   uses that one (``ckray.evaluation.ensure_interpolation``).
 
 * **A linear combination of two scores per (query, document)** (:func:`linear_fusion`): CLEAR's
-  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.dense``), on the raw scores
+  Eq. 8 hybrid, ``s = λ · s_lex + s_emb`` (``ckray.rankers.clear.hybrid``), on the raw scores
   (``"none"``, the paper's) or on scores normalised per query by their theoretical minimum and the
   query's maximum (``"tmm"``; Bruch, Gai & Ingber 2023, *An Analysis of Fusion Functions for Hybrid
   Retrieval*, TOIS 42(1), §4: ``φ(s) = (s − m) / (M_q − m)`` with ``m`` = 0 for BM25 and −1 for a
@@ -34,7 +34,7 @@ A run is ``dict[query_id, list[(doc_id, score)]]``, best first (DESIGN.md, "Runs
   CLEAR's dense score is the residual of *raw* BM25 (its margin subtracts ``λ_train · Δs_lex``), and
   measured on SciFact and CACM it ranks better on raw scores; ``"tmm"`` helps an untrained encoder's
   hybrid, and serves a CLEAR trained on normalised BM25 (``--bm25-scale query-max``,
-  ``ckray.rankers.clear.dense.trained_normalization``) (docs/transfer.md).
+  ``ckray.rankers.clear.hybrid.trained_normalization``) (docs/transfer.md).
 
 Weights (``w`` above, CLEAR's λ_test) are chosen by one grid search, :func:`grid_search`, by one of
 two rules:

@@ -14,9 +14,10 @@ import torch
 from ckray.data.shards import marker_path, shard_name, write_json_atomic, write_parquet_atomic
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.fusion import linear_fusion, theoretical_min_max
-from ckray.rankers.clear.dense import (DenseIndex, DenseRetriever, EmbedConfig, HybridConfig, HybridRetriever, IndexConfig,
-                               embed_corpus, embeddings_dir, hybrid_candidates, read_embedding_shards, tune_lambda,
-                               write_embedding_shard)
+from ckray.rankers.clear.embed import EmbedConfig, embed_corpus, read_embedding_shards, write_embedding_shard
+from ckray.rankers.clear.faiss_index import DenseIndex, IndexConfig
+from ckray.rankers.clear.hybrid import DenseRetriever, HybridConfig, HybridRetriever, hybrid_candidates, tune_lambda
+from ckray.rankers.clear.layout import embeddings_dir
 from ckray.models.checkpoint import load_model, save_model
 from ckray.rankers.clear.model import CLEAR, CLEARConfig
 
@@ -417,7 +418,7 @@ def test_a_tmm_lambda_means_the_same_when_bm25_scores_scale_and_a_raw_one_does_n
 def test_hybrid_normalization_flags_and_models_that_do_not_fit_are_errors(tmp_path):
     from types import SimpleNamespace
 
-    from ckray.rankers.clear.dense import hybrid_retriever, save_hybrid_config
+    from ckray.rankers.clear.hybrid import hybrid_retriever, save_hybrid_config
 
     dot_product = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(normalize=False)), checkpoint="ckpt-dot")
     with pytest.raises(ConfigError, match="ckpt-dot .*normalize: false.*'none'"):
@@ -432,7 +433,8 @@ def test_hybrid_normalization_flags_and_models_that_do_not_fit_are_errors(tmp_pa
 
 def test_a_query_tower_other_than_the_indexed_model_is_refused_naming_both(encoded, tiny_checkpoint, tmp_path):
     from ckray.models.checkpoint import checkpoint_digest
-    from ckray.rankers.clear.dense import dense_retriever, index_dir
+    from ckray.rankers.clear.hybrid import dense_retriever
+    from ckray.rankers.clear.layout import index_dir
 
     workdir, _ = encoded
     DenseIndex.from_shards(embeddings_dir(workdir), meta={
@@ -451,7 +453,7 @@ def test_lambda_saved_with_the_checkpoint_is_carried_to_a_collection_without_tra
     import json
 
     from ckray.deploy import deploy_path, save_deploy_setting
-    from ckray.rankers.clear.dense import carry_hybrid, load_hybrid_config, save_hybrid_config
+    from ckray.rankers.clear.hybrid import carry_hybrid, load_hybrid_config, save_hybrid_config
 
     assert carry_hybrid(tmp_path, tiny_checkpoint) is None and not (tmp_path / "dense" / "hybrid.json").exists()
     save_deploy_setting(tiny_checkpoint, "lambda", {"value": 0.08, "tuned_on": {"queries": 40}})
@@ -484,7 +486,7 @@ def test_the_hybrid_defaults_to_the_normalization_the_checkpoint_was_trained_for
     from ckray.data.examples import TrainingDataConfig
     from ckray.errors import MissingArtifactError
     from ckray.models.checkpoint import TRAIN_SUMMARY_FILE
-    from ckray.rankers.clear.dense import trained_normalization
+    from ckray.rankers.clear.hybrid import trained_normalization
 
     assert trained_normalization(tiny_checkpoint) == trained_normalization(None) == "none"   # never trained here
     for scale, want in (("query-max", "tmm"), ("raw", "none")):
@@ -501,7 +503,7 @@ def test_the_hybrid_defaults_to_the_normalization_the_checkpoint_was_trained_for
 def test_doc_id_map_finds_rows_refuses_unknown_ids_and_names_a_duplicate():
     import pyarrow as pa
 
-    from ckray.rankers.clear.dense import DocIdMap
+    from ckray.rankers.clear.faiss_index import DocIdMap
 
     ids = [f"doc-{i}" for i in range(3000)]
     m = DocIdMap(pa.chunked_array([pa.array(ids[:1000]), pa.array(ids[1000:])]))

@@ -20,7 +20,7 @@ def test_module_path_helpers_are_the_layouts_paths(tmp_path):
     from ckray.lexical.bm25 import bm25_index_dir
     from ckray.pipelines import checkpoint_dir
     from ckray.rankers.ck_qti.impact import impact_index_dir
-    from ckray.rankers.clear.dense import index_dir
+    from ckray.rankers.clear.layout import index_dir
 
     w = WorkDir(tmp_path)
     assert shards_dir(tmp_path) == w.shards == tmp_path / "shards"

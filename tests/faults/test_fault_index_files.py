@@ -84,7 +84,7 @@ def test_bm25_index_file_corrupted_in_place_is_refused_then_rebuilt_by_prepare(r
 
 
 def test_dense_index_file_corrupted_in_place_is_refused(tmp_path):
-    from ckray.rankers.clear.dense import IDS_FILE, INDEX_FILE, DenseIndex, IndexConfig
+    from ckray.rankers.clear.faiss_index import IDS_FILE, INDEX_FILE, DenseIndex, IndexConfig
 
     vectors = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)   # unit length: each is its own nearest

@@ -1,7 +1,9 @@
 """CLEAR (dense retrieval with a BM25-residual margin).
 
 ``model.py`` the model, ``task.py`` its training task, ``stage.py`` its jobs' flags and stages,
-``dense.py`` the faiss index and the BM25 + dense hybrid (first stages ``clear-dense``, ``clear``).
+``embed.py`` the embedding job, ``faiss_index.py`` the faiss index (``jobs/build_dense_index.py``), ``hybrid.py``
+the dense and BM25 + dense hybrid retrievers (first stages ``clear-dense``, ``clear``), ``layout.py`` their paths
+under the work directory.
 """
 
 from ckray.rankers import ENCODER_TRAIN_DEFAULTS, FirstStage, IndexStage, RankerSpec, TrainingStage
@@ -12,9 +14,9 @@ SPEC = RankerSpec(
                            ENCODER_TRAIN_DEFAULTS),
     index=IndexStage("ckray.rankers.clear.stage", "jobs/build_dense_index.py"),
     first_stages={
-        "clear-dense": FirstStage("ckray.rankers.clear.dense:dense_retriever", artifacts=("dense/index",),
+        "clear-dense": FirstStage("ckray.rankers.clear.hybrid:dense_retriever", artifacts=("dense/index",),
                                   stamp_files=("dense/index/meta.json",)),
-        "clear": FirstStage("ckray.rankers.clear.dense:hybrid_retriever",
+        "clear": FirstStage("ckray.rankers.clear.hybrid:hybrid_retriever",
                             artifacts=("bm25/index", "dense/index", "dense/hybrid.json"),
                             stamp_files=("dense/index/meta.json", "dense/hybrid.json",
                                          "bm25/index/ckray_index.json")),

@@ -33,7 +33,7 @@ When BM25 already separates the pair by a lot, ``m_r`` is small or negative and 
 not try; when BM25 ranks the negative above the positive, ``m_r > ξ`` and the embedding must make up
 the difference. ``constant_margin=True`` gives the ablation ``m_r = ξ``.
 
-Retrieval (Eq. 8) interpolates both scores, ``s = λ_test · s_lex + s_emb`` (``ckray.rankers.clear.dense``).
+Retrieval (Eq. 8) interpolates both scores, ``s = λ_test · s_lex + s_emb`` (``ckray.rankers.clear.hybrid``).
 Since ``λ·s_lex + s_emb`` ranks ``d+`` over ``d-`` exactly when ``s_emb(d+) − s_emb(d−) >
 −λ·Δs_lex``, choosing ``λ_train ≈ λ_test`` makes the training margin the one the hybrid needs.
 """

@@ -38,8 +38,10 @@ def build_index(args: argparse.Namespace) -> dict:
     the ``--tune-split`` queries (W/dense/hybrid.json). Returns the embedding job's summary plus
     ``lambda`` (without such a split: the λ saved with the checkpoint, ``ckray.deploy``; None when none)."""
     from ckray.data.collections import read_queries_and_qrels
-    from ckray.rankers.clear.dense import (EmbedConfig, HybridConfig, IndexConfig, build_dense_index, carry_hybrid,
-                                           default_checkpoint, trained_normalization, tune_hybrid)
+    from ckray.rankers.clear.embed import EmbedConfig
+    from ckray.rankers.clear.faiss_index import IndexConfig, build_dense_index
+    from ckray.rankers.clear.hybrid import HybridConfig, carry_hybrid, trained_normalization, tune_hybrid
+    from ckray.rankers.clear.layout import default_checkpoint
     from ckray.ray_env import init_ray
 
     checkpoint = args.checkpoint or str(default_checkpoint(args.workdir))
