@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 from bench.rerank_warm_start import CEDR_SETTINGS, QDS_SETTINGS  # noqa: E402
 from ckray.data.collections import read_queries_and_qrels  # noqa: E402
 from ckray.data.docstore import DocStore  # noqa: E402
-from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
+from ckray.data.examples import is_dev_query  # noqa: E402
+from ckray.data.negatives import read_negatives  # noqa: E402
 from ckray.models.encoders import freeze_bottom_layers  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")

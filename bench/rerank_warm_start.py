@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 from ckray.data.collections import read_queries_and_qrels  # noqa: E402
 from ckray.data.docstore import DocStore  # noqa: E402
-from ckray.data.examples import is_dev_query, read_negatives  # noqa: E402
+from ckray.data.examples import is_dev_query  # noqa: E402
+from ckray.data.negatives import read_negatives  # noqa: E402
 from ckray.eval import paired_difference, per_query_values  # noqa: E402
 from ckray.rankers.cedr.model import KNRM_PROBE_TRIPLES  # noqa: E402
 

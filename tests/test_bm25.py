@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ckray.data.collections import load_collection
-from ckray.data.examples import TrainingDataConfig, build_negatives, build_training_data, negatives_path
+from ckray.data.examples import TrainingDataConfig, build_training_data
+from ckray.data.negatives import build_negatives, negatives_path
 from ckray.data.prepare import prepare_collection
 from ckray.data.sample import sample_workdir as make_sample_workdir
 from ckray.errors import MissingArtifactError
@@ -60,7 +61,7 @@ def test_a_pool_of_searchers_returns_one_searchers_run(sample_workdir):
 
 
 def test_negatives_searched_on_a_pool_are_one_searchers_sorted_by_query(sample_workdir, monkeypatch):
-    from ckray.data.examples import positives_path
+    from ckray.data.negatives import positives_path
     from ckray.lexical import pool
 
     data, w = sample_workdir
@@ -172,7 +173,7 @@ def test_weak_title_pairs_add_body_triples_and_leave_the_supervised_ones_alone(s
 
 
 def test_hard_negatives_from_a_mined_run_replace_part_of_the_bm25_ones(sample_workdir, tmp_path):
-    from ckray.data.examples import read_negatives
+    from ckray.data.negatives import read_negatives
     from ckray.errors import ConfigError
     from ckray.data.collections import write_trec_run
 

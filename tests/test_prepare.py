@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ckray.data.collections import load_collection
-from ckray.data.examples import negatives_path
+from ckray.data.negatives import negatives_path
 from ckray.data.prepare import PrepareConfig, prepare_collection, prepare_shards, requested_shards, split_file
 from ckray.data.sample import generate_sample
 from ckray.data.shards import DocStore, is_done, load_corpus_table, marker_path, read_corpus_dataset, shard_paths

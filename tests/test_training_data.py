@@ -15,8 +15,9 @@ import pytest
 
 from ckray.data import examples
 from ckray.data.collections import load_collection, read_trec_run, write_trec_run
-from ckray.data.examples import (POSITION, TITLE_QUERY_PREFIX, TRIPLE_COLUMNS, TrainingDataConfig, build_negatives,
-                                 build_training_data, is_dev_query, negatives_path, positives_path, read_negatives)
+from ckray.data.examples import (POSITION, TITLE_QUERY_PREFIX, TRIPLE_COLUMNS, TrainingDataConfig,
+                                 build_training_data, is_dev_query)
+from ckray.data.negatives import build_negatives, negatives_path, positives_path, read_negatives
 from ckray.data.sample import sample_workdir as make_sample_workdir
 from ckray.data.shards import DocStore
 from ckray.errors import ConfigError

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_module_path_helpers_are_the_layouts_paths(tmp_path):
     from ckray.data.docstore import store_dir
-    from ckray.data.examples import negatives_path, positives_path
+    from ckray.data.negatives import negatives_path, positives_path
     from ckray.data.shards import shards_dir
     from ckray.evaluation import metrics_path, run_path
     from ckray.fusion import fusion_path

@@ -3,9 +3,8 @@
 The triples are a Ray Dataset that streams (:func:`build_training_data`); the driver holds the queries,
 their judgments and a few integers per triple, never a negative or a triple:
 
-1. **Negatives** (:func:`build_negatives`, at prepare): BM25's top ``depth`` of every query of a split,
-   searched on a pool of Ray actors (:mod:`ckray.lexical.pool`) and written as they arrive to
-   ``W/negatives/<split>.parquet`` *sorted by query id*, so a reader of a range of query ids reads only
+1. **Negatives** (``ckray.data.negatives``, at prepare): BM25's top ``depth`` of every query of a split in
+   ``W/negatives/<split>.parquet``, *sorted by query id*, so a reader of a range of query ids reads only
    the row groups that hold them.
 2. **Sizes** (a Ray Data pass): the training queries, sorted, are cut into blocks; a task per block
    reads its queries' negatives and says, per query, how many positives, BM25 candidates and mined
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
@@ -42,6 +40,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ckray.data.negatives import (build_negatives, judged_positives, positive_scores, positives_path, read_negatives,
+                                  require_negatives, runs_by_query, stable_digest)
 from ckray.errors import ConfigError, MissingArtifactError
 from ckray.options import option
 from ckray.workdir import WorkDir
@@ -52,10 +52,6 @@ Run = dict[str, list[tuple[str, float]]]
 
 TRIPLE_COLUMNS = ("query_id", "query", "pos_id", "pos_text", "pos_bm25", "neg_id", "neg_text", "neg_bm25")
 POSITION = "position"  # a triple's place in the seeded shuffle of all triples (0 = first)
-NEGATIVES_SCHEMA = pa.schema([("query_id", pa.string()), ("doc_id", pa.string()), ("rank", pa.int32()),
-                              ("score", pa.float32())])
-POSITIVES_SCHEMA = pa.schema([("query_id", pa.string()), ("doc_id", pa.string()), ("score", pa.float32())])
-NEGATIVES_ORDER = "query_id"       # in the negatives' marker: rows sorted by query id, each query by rank
 BLOCK_QUERIES = 256                # training queries per Ray Data task, at least ...
 MAX_BLOCKS = 256                   # ... and at most this many tasks (the sort's all-to-all grows as its square)
 SUPERVISED, WEAK = "supervised", "weak"
@@ -79,162 +75,6 @@ class DevSet:
 
     def __len__(self) -> int:
         return len(self.queries)
-
-
-# --------------------------------------------------------------------------- negatives
-
-def negatives_path(workdir: str | os.PathLike, split: str = "train") -> Path:
-    return WorkDir(workdir).negatives(split)
-
-
-def positives_path(workdir: str | os.PathLike, split: str = "train") -> Path:
-    return WorkDir(workdir).positives(split)
-
-
-def build_negatives(workdir: str | os.PathLike, queries: dict[str, str], qrels: dict[str, dict[str, int]],
-                    split: str = "train", depth: int = 1000, threads: int = 2, actors: int | None = None) -> Path:
-    """BM25 top-``depth`` (with scores) for each query of ``split`` → ``W/negatives/<split>.parquet``
-    (sorted by query id, each query's rows by rank), and the BM25 score of every judged positive →
-    ``W/negatives/<split>-positives.parquet`` (CLEAR's margin needs s_lex(q, d+) also when d+ is
-    outside the top 1000). Searched on ``actors`` Ray actors with ``threads`` Lucene threads each
-    (None: as many as the cluster's CPUs hold); the rows stream into the files as the actors answer.
-    Files made for the same queries and qrels at ``depth`` or deeper are kept."""
-    from ckray.data.shards import is_done, mark_done
-    from ckray.lexical.bm25 import bm25_retriever
-    from ckray.lexical.pool import SearcherPool, chunks, default_actors
-
-    out, pos_out = negatives_path(workdir, split), positives_path(workdir, split)
-    stamp = {"queries_sha": _hash_dict(queries), "qrels_sha": _hash_dict(qrels), "depth": depth,
-             "order": NEGATIVES_ORDER}
-    made = _negatives_depth(out, pos_out, stamp)
-    if made is not None:
-        log.info("negatives for %s are up to date (depth %d, %d asked for)", split, made, depth)
-        return out
-    pieces = chunks(sorted(queries))
-    work = (({q: queries[q] for q in piece}, {q: _judged_positives(qrels.get(q, {})) for q in piece}, depth)
-            for piece in pieces)
-    with _ParquetOut(out, NEGATIVES_SCHEMA) as neg_file, _ParquetOut(pos_out, POSITIVES_SCHEMA) as pos_file:
-        if pieces:
-            factory = functools.partial(bm25_retriever, str(Path(workdir).resolve()), threads=threads)
-            with SearcherPool(factory, actors or default_actors(threads, len(pieces)), threads) as pool:
-                for negatives, positives in pool.map(_negatives_of_chunk, work):
-                    neg_file.write(negatives)
-                    pos_file.write(positives)
-    mark_done(out, stamp)
-    mark_done(pos_out, stamp)
-    log.info("BM25 top-%d negatives for %d %s queries → %s", depth, len(queries), split, out)
-    return out
-
-
-def _judged_positives(judgments: dict[str, int]) -> list[str]:
-    return [d for d, rel in judgments.items() if rel > 0]
-
-
-def _negatives_of_chunk(searcher: Any, queries: dict[str, str], positives: dict[str, list[str]],
-                        depth: int) -> tuple[pa.Table, pa.Table]:
-    """In a pool actor: the negatives rows of ``queries`` (in their order, each by rank) and the BM25
-    score of each judged positive (from the run, or scored alone when outside it)."""
-    run = searcher.search(queries, k=depth)
-    neg = {"query_id": [], "doc_id": [], "rank": [], "score": []}
-    pos = {"query_id": [], "doc_id": [], "score": []}
-    for q in queries:
-        for rank, (d, s) in enumerate(run[q], start=1):
-            neg["query_id"].append(q), neg["doc_id"].append(d), neg["rank"].append(rank), neg["score"].append(s)
-        in_run = dict(run[q])
-        for d in positives[q]:
-            s = in_run.get(d)
-            pos["query_id"].append(q), pos["doc_id"].append(d)
-            pos["score"].append(s if s is not None else searcher.score(queries[q], d))
-    return pa.table(neg, schema=NEGATIVES_SCHEMA), pa.table(pos, schema=POSITIVES_SCHEMA)
-
-
-class _ParquetOut:
-    """A Parquet file written a table at a time into a temporary name and renamed into place when the
-    ``with`` block ends without an error (removed otherwise)."""
-
-    def __init__(self, path: Path, schema: pa.Schema):
-        from ckray.data.shards import _tmp_name
-
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = _tmp_name(self.path)
-        self.writer = pq.ParquetWriter(self.tmp, schema)
-
-    def write(self, table: pa.Table) -> None:
-        self.writer.write_table(table)
-
-    def __enter__(self) -> "_ParquetOut":
-        return self
-
-    def __exit__(self, exc_type, *exc: Any) -> None:
-        self.writer.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
-
-
-def _hash_dict(d: dict) -> str:
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _negatives_depth(out: Path, pos_out: Path, stamp: dict) -> int | None:
-    """The depth the negatives files were made at when they serve ``stamp``: finished, for the same queries and
-    qrels, at its depth or deeper (readers cut each query's list at the depth they need, :func:`read_negatives`);
-    else None."""
-    from ckray.data.shards import is_done, marker_path, read_json
-
-    try:
-        made = int(read_json(marker_path(out))["depth"])
-    except Exception:
-        return None
-    if made < stamp["depth"]:
-        return None
-    deeper = {**stamp, "depth": made}
-    return made if is_done(out, deeper) and is_done(pos_out, deeper) else None
-
-
-def read_negatives(workdir: str | os.PathLike, split: str, qids: list[str], depth: int | None = None) -> Run:
-    """The BM25 run of ``split`` for ``qids`` only (each query's list by rank, cut at ``depth``), read
-    with a filter: the range of ``qids`` prunes row groups, nothing else is held."""
-    table = _read_negatives_of(negatives_path(workdir, split), qids, depth)
-    return {q: list(zip(ids, scores)) for q, ids, scores in _per_query(table)}
-
-
-def _read_negatives_of(path: Path, qids: list[str], depth: int | None = None) -> pa.Table:
-    if not qids:
-        return NEGATIVES_SCHEMA.empty_table()
-    filters = [("query_id", ">=", min(qids)), ("query_id", "<=", max(qids))]
-    if depth is not None:
-        filters.append(("rank", "<=", depth))
-    table = pq.read_table(path, columns=list(NEGATIVES_SCHEMA.names), filters=filters)
-    table = table.filter(pc.is_in(table["query_id"], value_set=pa.array(qids, pa.string())))
-    return table.sort_by([("query_id", "ascending"), ("rank", "ascending")])
-
-
-def _per_query(table: pa.Table) -> Iterator[tuple[str, list[str], list[float]]]:
-    """(query id, doc ids, scores) for each query of a table sorted by query id (then rank)."""
-    if table.num_rows == 0:
-        return
-    codes = table["query_id"].combine_chunks().dictionary_encode()
-    idx = codes.indices.to_numpy(zero_copy_only=False)
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(idx)) + 1, [len(idx)]])
-    for a, b in zip(starts[:-1], starts[1:]):
-        part = table.slice(int(a), int(b - a))
-        yield codes.dictionary[idx[a]].as_py(), part["doc_id"].to_pylist(), part["score"].to_pylist()
-
-
-def _positive_scores(path: Path) -> dict[tuple[str, str], float]:
-    """The judged positives' BM25 scores (one row per judged positive: as many as the qrels)."""
-    t = pq.read_table(path)
-    return {(q, d): float(s) for q, d, s in zip(*(t[c].to_pylist() for c in ("query_id", "doc_id", "score")))}
-
-
-def _require_negatives(workdir: str | os.PathLike, split: str) -> None:
-    for path in (negatives_path(workdir, split), positives_path(workdir, split)):
-        if not path.exists():
-            raise MissingArtifactError(f"{path}: no BM25 negatives for split {split!r}; run jobs/prepare.py "
-                                       f"--workdir {workdir} --train-split {split}")
 
 
 # --------------------------------------------------------------------------- the sampling rule
@@ -413,7 +253,7 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     from ckray.data.shards import DocStore
 
     workdir = str(Path(workdir).resolve())
-    _require_negatives(workdir, config.split)
+    require_negatives(workdir, config.split)
     if config.hard_negative_run and not Path(config.hard_negative_run).exists():
         raise MissingArtifactError(f"--hard-negative-run {config.hard_negative_run}: no such run file (make one on "
                                    "the training queries, e.g. jobs/evaluate.py --pipeline ck-qti --split train)")
@@ -427,9 +267,9 @@ def build_training_data(workdir: str | os.PathLike, queries: dict[str, str], qre
     blocks = _blocks(train_q)
     hard_dir = (_hard_negative_parts(workdir, Path(config.hard_negative_run), blocks)
                 if config.hard_negative_run else None)
-    pos_scores = _positive_scores(positives_path(workdir, config.split))
+    pos_scores = positive_scores(positives_path(workdir, config.split))
     specs = [_spec(i, SUPERVISED, config.split, block, queries,
-                   [_judged_positives(qrels[q]) for q in block], pos_scores) for i, block in enumerate(blocks)]
+                   [judged_positives(qrels[q]) for q in block], pos_scores) for i, block in enumerate(blocks)]
     specs, n_supervised = _replayed(specs, rng, workdir, config, hard_dir, start=0)
     if config.weak_titles > 0:
         weak = _weak_specs(workdir, store, config, rng, first_block=len(specs))
@@ -655,8 +495,8 @@ def _hard_negative_parts(workdir: str, run: Path, blocks: list[list[str]]) -> st
 
     block_of = {q: b for b, block in enumerate(blocks) for q in block}
     st = run.stat()
-    key = _hash_dict({"run": str(run.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
-                      "blocks": _hash_dict({"b": blocks})})
+    key = stable_digest({"run": str(run.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+                         "blocks": stable_digest({"b": blocks})})
     out = WorkDir(workdir).hard_negatives(key)
     if (out / "_done").exists():
         return str(out)
@@ -698,7 +538,7 @@ def _read_hard_block(hard_dir: str, block: int, depth: int) -> dict[str, list[st
         return {}
     t = pq.read_table(part, columns=["query_id", "doc_id", "score", "line"])
     t = t.sort_by([("query_id", "ascending"), ("score", "descending"), ("line", "ascending")])
-    return {q: ids[:depth] for q, ids, _ in _per_query(t)}
+    return {q: ids[:depth] for q, ids, _ in runs_by_query(t)}
 
 
 # --------------------------------------------------------------------------- weak title → body pairs
@@ -724,7 +564,7 @@ def _weak_specs(workdir: str, store: Any, config: TrainingDataConfig, rng: rando
     queries = {TITLE_QUERY_PREFIX + d: store.get(d)[0] for d in chosen}
     qrels = {TITLE_QUERY_PREFIX + d: {d: 1} for d in chosen}
     build_negatives(workdir, queries, qrels, split=WEAK_SPLIT, depth=config.weak_depth)
-    pos_scores = _positive_scores(positives_path(workdir, WEAK_SPLIT))
+    pos_scores = positive_scores(positives_path(workdir, WEAK_SPLIT))
     blocks = _blocks(list(queries))
     log.info("weak supervision: %d title queries", len(queries))
     return [_spec(first_block + i, WEAK, WEAK_SPLIT, block, queries, [[q[len(TITLE_QUERY_PREFIX):]] for q in block],

@@ -291,7 +291,7 @@ def _prepare(data: str | os.PathLike, workdir: str, shards: int | None, split: s
     if split not in collection.qrels:
         log.info("no qrels for split %r (have %s): no BM25 negatives", split, sorted(collection.qrels))
         return prepared
-    from ckray.data.examples import build_negatives
+    from ckray.data.negatives import build_negatives
 
     prepared.negatives = build_negatives(workdir, collection.split_queries(split), collection.qrels[split],
                                          split=split, depth=negative_depth, threads=threads)
@@ -300,7 +300,7 @@ def _prepare(data: str | os.PathLike, workdir: str, shards: int | None, split: s
 
 def _output_files(workdir: str, split: str | None) -> list[Path]:
     """The files each prepare step writes last when it does its work (and leaves alone when up to date)."""
-    from ckray.data.examples import negatives_path, positives_path
+    from ckray.data.negatives import negatives_path, positives_path
     from ckray.lexical.bm25 import META, bm25_index_dir
 
     files = [shards_dir(workdir) / MANIFEST, bm25_index_dir(workdir) / META]
