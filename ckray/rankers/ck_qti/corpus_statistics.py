@@ -22,7 +22,6 @@ from ckray.rankers.ck_qti.impact_settings import ImpactConfig, check_ck_qti_chec
 log = logging.getLogger(__name__)
 
 
-
 def cached_corpus_statistics(workdir: str | os.PathLike, config: Any):
     """``ckray.data.statistics.cached_corpus_statistics`` of ``workdir``'s corpus, tokenised as the
     CK-QTI ``config``'s encoder and ``max_doc_len`` do."""

@@ -112,7 +112,6 @@ def term_string(term_id: int) -> str:
 # The Ray Data actor
 # =============================================================================================
 
-
 class ImpactScorer:
     """Ray Data callable class: loads the checkpoint once per actor, returns impact vectors.
 
@@ -153,9 +152,6 @@ class ImpactScorer:
 # =============================================================================================
 # Impact shards
 # =============================================================================================
-
-
-
 
 def _shard_stamp(source: Path, rows: int, manifest: dict, digest: str, settings: dict) -> dict:
     return {"source": source.name, "source_rows": rows, "corpus_sha256": manifest.get("input_sha256"),
@@ -252,7 +248,6 @@ def verify_impact_shards(workdir: str | os.PathLike) -> int:
 # =============================================================================================
 # JSON vector lines and the Lucene index
 # =============================================================================================
-
 
 def corpus_max_weight(workdir: str | os.PathLike) -> float:
     """The largest stored weight w_td over all impact shards (from their markers)."""

@@ -25,7 +25,6 @@ from ckray.rankers.ck_qti.impact import META_FILE, impact_index_dir, read_index_
 from ckray.rankers.ck_qti.impact_settings import recorded_settings
 
 
-
 # QTI adds one s_td per query term, so a query is not cut at training's max_query_len; this only bounds
 # a query's Lucene clauses (``ckray.lexical.jvm.MAX_QUERY_CLAUSES``) and its tokenisation
 MAX_QUERY_PIECES = 1024

@@ -28,7 +28,6 @@ CANDIDATE_POOLS = ("window", "position")
 EXPLICIT_SCOPES = ("document", "window")
 
 
-
 @dataclass
 class ImpactConfig(ActorPoolConfig):
     """The impact-building job: its actor pool (``ckray.batch_inference.ActorPoolConfig``: actors,
@@ -112,7 +111,6 @@ def recorded_settings(record: Mapping[str, Any], source: str) -> dict:
     return {"top_k": record.get("top_k"), "explicit_weight": record.get("explicit_weight", 0.0), **cap,
             "passages": record.get("passages", 1), "explicit_scope": record.get("explicit_scope", "window"),
             "source": source}
-
 
 
 def deployed_impact_settings(checkpoint: str | os.PathLike, top_k: int | None = None,

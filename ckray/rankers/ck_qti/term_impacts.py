@@ -51,7 +51,6 @@ from ckray.errors import ConfigError
 from ckray.rankers.ck_qti.impact_settings import ImpactConfig
 
 
-
 def expansion_vocabulary(vocab_size: int, encoder: str | None) -> np.ndarray:
     """Vocabulary ids that text can tokenise to: all but [PAD]/[CLS]/… and ``[unused*]``."""
     from ckray.models.encoders import load_tokenizer
