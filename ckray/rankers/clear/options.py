@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckray.fusion import DEFAULT_LAMBDA_RULE, HYBRID_NORMALIZATIONS, WEIGHT_RULES
-from ckray.models import DEFAULT_ENCODER
+from ckray.models.encoder_options import encoder_option
 from ckray.options import option
 
 
@@ -23,7 +23,7 @@ DEFAULT_PASSAGES = 0
 
 @dataclass(frozen=True)
 class CLEAROptions:
-    encoder: str = option(DEFAULT_ENCODER, "Hugging Face id or directory of a BERT encoder")
+    encoder: str = encoder_option()
     doc_max_len: int = option(256, "document word pieces the encoder reads")
     xi: float = option(0.2, "ξ, the margin before the lexical residual")
     lambda_train: float | None = option(None, "λ_train, weight of the BM25 gap in the margin, in --bm25-scale's "

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckray.models import DEFAULT_ENCODER
+from ckray.models.encoder_options import attention_dropout_option, encoder_option, frozen_layers_option
 from ckray.options import option
 
 
 @dataclass(frozen=True)
 class QDSOptions:
-    encoder: str = option(DEFAULT_ENCODER, "Hugging Face id or directory of a BERT encoder")
+    encoder: str = encoder_option()
     pattern: str = option("qds", "attention: local window + [CLS]/query global + [SOS] sentence hierarchy (qds), "
                                  "without the hierarchy (longformer-qa), or the local window alone (local)",
                           choices=("qds", "longformer-qa", "local"))
@@ -23,11 +23,8 @@ class QDSOptions:
                                            "on a CPU without attention dropout (fused-mask); auto: fused-mask on "
                                            "CUDA in bf16/fp16 and on a CPU up to 512 tokens without attention "
                                            "dropout, sparse elsewhere", choices=("auto", "sparse", "fused-mask"))
-    frozen_layers: int = option(0, "do not train the bottom N encoder layers, the embedding layer counted as "
-                                   "layer 0 (1: the embeddings; 1 + k: also the first k transformer layers)")
-    attention_dropout: float | None = option(None, "attention-probability dropout of the encoder's layers in "
-                                                   "training (default: the encoder's own, 0.1 in MiniLM); 0 "
-                                                   "about doubles a CPU step's pairs/s")
+    frozen_layers: int = frozen_layers_option()
+    attention_dropout: float | None = attention_dropout_option()
     head_init: str = option("warm", "how the score head starts: its similarity term, or with --head cls fitted to the "
                                     "first training triples, before step 0 (warm); the paper's random "
                                     "initialisation, γ = 0 (random)",
