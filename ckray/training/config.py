@@ -5,8 +5,6 @@ Imports neither torch nor Ray, so a job's ``--help`` and its flag errors come be
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
 
 from ckray.errors import ConfigError

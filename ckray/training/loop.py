@@ -52,7 +52,7 @@ import torch
 
 from ckray.batch_inference import ckray_cause as _find_ckray_error  # out of Ray's wrappers
 from ckray.data.examples import DevSet
-from ckray.errors import CkrayError, ConfigError, MissingArtifactError
+from ckray.errors import ConfigError, MissingArtifactError
 from ckray.ray_env import init_ray
 from ckray.training.checkpointing import (_attempt_starts, _check_resumable, _initial_weights, _record_attempt,
                                           _remove_run_dir, _restore, _save, _storage_path, _stored_result,
