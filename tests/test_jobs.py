@@ -149,13 +149,22 @@ def test_ray_job_submit_to_a_local_head(ray_head, tmp_path):
 
 @pytest.mark.slow
 def test_ray_job_submit_train_ck(ray_head, tmp_path):
-    """`ray job submit -- python jobs/train_ck.py …` against a local head: 2 workers, DeepSpeed ZeRO-2."""
+    """`ray job submit -- python jobs/train_ck.py …` against a local head: 2 workers, DeepSpeed ZeRO-2; exact matches
+    over Porter stems, whose class map the driver computes and the checkpoint keeps."""
     data = generate_sample(tmp_path / "data")
     w = tmp_path / "w"
     p = submit(ray_head, ["python", "jobs/train_ck.py", "--data", str(data), "--workdir", str(w), "--workers", "2",
              "--max-steps", "4", "--eval-every", "2", "--batch-size", "2", "--layers", "1", "--max-doc-len", "128",
-             "--max-dev-queries", "5", "--dev-depth", "10"])
+             "--max-dev-queries", "5", "--dev-depth", "10", "--exact-match", "stems"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((w / "checkpoints" / "ck-qti" / "train_summary.json").read_text())
     assert summary["steps"] == 4 and summary["config"]["workers"] == 2 and summary["config"]["zero_stage"] == 2
     assert (w / "checkpoints" / "ck-qti" / "model.safetensors").exists()
+    from ckray.models.encoders import load_tokenizer
+    from ckray.rankers.ck_qti.model import load_ck_model
+
+    model = load_ck_model(w / "checkpoints" / "ck-qti")
+    computer, computing, program = load_tokenizer(None).convert_tokens_to_ids(["computer", "computing", "program"])
+    assert model.config.exact_match == "stems"
+    assert model.match_class[computer] == model.match_class[computing] != model.match_class[program]
+    assert model.idf[computer] == model.idf[computing]

@@ -35,7 +35,8 @@ class Tokenisation:
 
 @dataclass
 class CorpusStats:
-    """Document frequency per vocabulary id, N, mean |d| in word pieces."""
+    """Document frequency per vocabulary id, N, mean |d| in word pieces. Counted over exact-match classes
+    (``count_pieces``' ``classes``), a class's frequency is at its own id, the others' stay 0."""
 
     doc_freq: torch.Tensor
     n_docs: int
@@ -62,9 +63,12 @@ def bm25_idf(doc_freq: torch.Tensor, n_docs: int) -> torch.Tensor:
     return torch.log1p((n_docs - df + 0.5) / (df + 0.5)).to(torch.float32)
 
 
-def count_pieces(texts: Iterable[str], tokenisation: Tokenisation, batch_size: int = 256) -> tuple[np.ndarray, int, int]:
+def count_pieces(texts: Iterable[str], tokenisation: Tokenisation, batch_size: int = 256,
+                 classes: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
     """(document frequency of each word piece, documents, word pieces) over ``texts``, tokenised as
-    ``tokenisation`` says: counts that add up over parts of a corpus."""
+    ``tokenisation`` says: counts that add up over parts of a corpus. With ``classes`` (each vocabulary id's
+    exact-match class, ``ckray.lexical.analysis.stem_classes``) a document counts once for each class it
+    holds, at the class's id."""
     from ckray.models.encoders import load_tokenizer
 
     tok = load_tokenizer(tokenisation.encoder)
@@ -74,7 +78,8 @@ def count_pieces(texts: Iterable[str], tokenisation: Tokenisation, batch_size: i
     def flush() -> None:
         nonlocal n_pieces
         for p in tok(batch, add_special_tokens=False, truncation=True, max_length=tokenisation.max_length)["input_ids"]:
-            df[np.unique(np.asarray(p, dtype=np.int64))] += 1
+            ids = np.asarray(p, dtype=np.int64)
+            df[np.unique(ids if classes is None else classes[ids])] += 1
             n_pieces += len(p)
         batch.clear()
 
@@ -88,9 +93,10 @@ def count_pieces(texts: Iterable[str], tokenisation: Tokenisation, batch_size: i
     return df, n_docs, n_pieces
 
 
-def corpus_statistics(texts: Iterable[str], tokenisation: Tokenisation, batch_size: int = 256) -> CorpusStats:
-    """Document frequencies and mean length over ``texts`` in one pass."""
-    return CorpusStats.of_counts(*count_pieces(texts, tokenisation, batch_size))
+def corpus_statistics(texts: Iterable[str], tokenisation: Tokenisation, batch_size: int = 256,
+                      classes: np.ndarray | None = None) -> CorpusStats:
+    """Document frequencies (of word pieces, or of their ``classes``) and mean length over ``texts`` in one pass."""
+    return CorpusStats.of_counts(*count_pieces(texts, tokenisation, batch_size, classes))
 
 
 def has_corpus(workdir: str | os.PathLike) -> bool:
@@ -100,7 +106,8 @@ def has_corpus(workdir: str | os.PathLike) -> bool:
     return (shards_dir(workdir) / MANIFEST).exists()
 
 
-def sharded_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisation) -> CorpusStats:
+def sharded_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisation,
+                              classes: np.ndarray | None = None) -> CorpusStats:
     """:func:`corpus_statistics` of ``workdir``'s corpus with one Ray task per corpus shard, the counts
     summed as the tasks finish: the same statistics as one pass in one process, spread over the
     cluster's CPUs; the driver holds one vocabulary-sized count at a time. Inside a Ray actor (a Serve
@@ -112,10 +119,11 @@ def sharded_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisa
     from ckray.ray_env import init_ray
 
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-        return corpus_statistics(iter_doc_texts(workdir), tokenisation)
+        return corpus_statistics(iter_doc_texts(workdir), tokenisation, classes=classes)
     init_ray()
     count = ray.remote(num_cpus=1)(_count_shard)
-    pending = [count.remote(str(p), tokenisation) for p in shard_paths(workdir)]
+    shared_classes = None if classes is None else ray.put(classes)
+    pending = [count.remote(str(p), tokenisation, shared_classes) for p in shard_paths(workdir)]
     doc_freq, n_docs, n_pieces = np.zeros(tokenisation.vocab_size, np.int64), 0, 0
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -126,19 +134,23 @@ def sharded_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisa
     return CorpusStats.of_counts(doc_freq, n_docs, n_pieces)
 
 
-def _count_shard(path: str, tokenisation: Tokenisation) -> tuple[np.ndarray, int, int]:
+def _count_shard(path: str, tokenisation: Tokenisation, classes: np.ndarray | None) -> tuple[np.ndarray, int, int]:
     """Ray task of :func:`sharded_corpus_statistics`: one shard's counts."""
     from ckray.data.shards import shard_doc_texts
 
-    return count_pieces(shard_doc_texts(path), tokenisation)
+    return count_pieces(shard_doc_texts(path), tokenisation, classes=classes)
 
 
-def cached_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisation) -> CorpusStats:
+def cached_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisation,
+                             classes: np.ndarray | None = None) -> CorpusStats:
     """:func:`sharded_corpus_statistics` of ``workdir``, kept in ``W/statistics/`` for its corpus
-    manifest and ``tokenisation`` (written atomically; a changed corpus or tokenisation counts again)."""
+    manifest, ``tokenisation`` and exact-match ``classes`` (written atomically; a changed corpus,
+    tokenisation or class map counts again)."""
     from ckray.data.shards import read_manifest
 
-    key = json.dumps({"corpus_sha256": read_manifest(workdir).get("input_sha256"), **asdict(tokenisation)},
+    grouped = {} if classes is None else {
+        "classes_sha256": hashlib.sha256(np.ascontiguousarray(classes, dtype=np.int64).tobytes()).hexdigest()}
+    key = json.dumps({"corpus_sha256": read_manifest(workdir).get("input_sha256"), **asdict(tokenisation), **grouped},
                      sort_keys=True)
     path = Path(workdir) / STATISTICS_DIR / f"word-pieces-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
     if path.exists():
@@ -146,7 +158,7 @@ def cached_corpus_statistics(workdir: str | os.PathLike, tokenisation: Tokenisat
             if str(saved["key"]) == key:
                 return CorpusStats(torch.from_numpy(saved["doc_freq"]), int(saved["n_docs"]),
                                    float(saved["mean_doc_len"]))
-    stats = sharded_corpus_statistics(workdir, tokenisation)
+    stats = sharded_corpus_statistics(workdir, tokenisation, classes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")
     np.savez(tmp, key=key, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs, mean_doc_len=stats.mean_doc_len)

@@ -9,6 +9,7 @@ rank's RNG state (``rng/rank_<r>.pt``) and, written last by rank 0 once every ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -186,6 +187,12 @@ def _initial_weights(task: RankerTask, path: str, model: torch.nn.Module | None 
     if current_class_path(str(payload.get("model_class"))) != class_path(model):  # a moved model module is the same class
         raise ConfigError(f"--init-from {path}: it holds a {payload.get('model_class')}, "
                           f"this job trains a {class_path(model)}")
+    for name in getattr(model, "_init_config_must_agree", ()):   # config fields the weights' meaning depends on
+        field = next(f for f in dataclasses.fields(model.config) if f.name == name)
+        theirs, ours = payload.get("config", {}).get(name, field.default), getattr(model.config, name)
+        if theirs != ours:
+            raise ConfigError(f"--init-from {path} was trained with {name}={theirs!r}, these flags build {name}={ours!r} "
+                              f"(pass the model flags it was trained with)")
     own = model.state_dict()
     missing = sorted(set(own) - set(weights) - set(getattr(model, "_non_persistent_ok", ())))
     misfit = [k for k in own if k in weights and weights[k].shape != own[k].shape]

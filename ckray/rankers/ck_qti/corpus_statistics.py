@@ -22,12 +22,13 @@ from ckray.rankers.ck_qti.impact_settings import ImpactConfig, check_ck_qti_chec
 log = logging.getLogger(__name__)
 
 
-def cached_corpus_statistics(workdir: str | os.PathLike, config: Any):
+def cached_corpus_statistics(workdir: str | os.PathLike, config: Any, classes: np.ndarray | None = None):
     """``ckray.data.statistics.cached_corpus_statistics`` of ``workdir``'s corpus, tokenised as the
-    CK-QTI ``config``'s encoder and ``max_doc_len`` do."""
+    CK-QTI ``config``'s encoder and ``max_doc_len`` do, document frequencies counted over the exact-match
+    ``classes`` when given (``CKModel.match_classes``)."""
     from ckray.rankers.ck_qti.model import piece_tokenisation
 
-    return statistics.cached_corpus_statistics(workdir, piece_tokenisation(config))
+    return statistics.cached_corpus_statistics(workdir, piece_tokenisation(config), classes)
 
 
 def training_mean_doc_len(checkpoint: str | os.PathLike, model: Any) -> float | None:
@@ -37,7 +38,6 @@ def training_mean_doc_len(checkpoint: str | os.PathLike, model: Any) -> float | 
     import torch
 
     from ckray.deploy import read_deploy
-    from ckray.rankers.ck_qti.model import bm25_idf
 
     recorded = read_deploy(checkpoint).get("corpus") or {}
     if "mean_doc_len" in recorded:
@@ -45,8 +45,8 @@ def training_mean_doc_len(checkpoint: str | os.PathLike, model: Any) -> float | 
     home = Path(checkpoint).resolve().parent.parent
     if not has_corpus(home):
         return None
-    stats = cached_corpus_statistics(home, model.config)
-    if torch.equal(bm25_idf(stats.doc_freq, stats.n_docs), model.idf.cpu()):
+    stats = cached_corpus_statistics(home, model.config, model.match_classes())
+    if torch.equal(model.idf_of(stats.doc_freq, stats.n_docs), model.idf.cpu()):
         return stats.mean_doc_len
     return None
 
@@ -73,7 +73,7 @@ class CorpusAdaptation:
         import torch
 
         if self.doc_freq is not None:
-            model.set_idf(torch.as_tensor(self.doc_freq), self.n_docs)
+            model.set_idf(torch.as_tensor(np.array(self.doc_freq)), self.n_docs)   # a copy: Ray passes it read-only
         if self.length_scale != 1.0:
             with torch.no_grad():
                 model.bs_len.running_mean.mul_(self.length_scale)
@@ -95,11 +95,11 @@ def corpus_adaptation(workdir: str | os.PathLike, checkpoint: str | os.PathLike,
     the training corpus's is known (:func:`training_mean_doc_len`; else lengths stay as trained, logged)."""
     import torch
 
-    from ckray.rankers.ck_qti.model import bm25_idf, load_ck_model
+    from ckray.rankers.ck_qti.model import load_ck_model
 
     model = model if model is not None else load_ck_model(checkpoint)
-    target = cached_corpus_statistics(workdir, model.config)
-    if torch.equal(bm25_idf(target.doc_freq, target.n_docs), model.idf.cpu()):
+    target = cached_corpus_statistics(workdir, model.config, model.match_classes())
+    if torch.equal(model.idf_of(target.doc_freq, target.n_docs), model.idf.cpu()):
         return CorpusAdaptation(mean_doc_len=target.mean_doc_len)
     source_len = training_mean_doc_len(checkpoint, model)
     if source_len is None:

@@ -73,6 +73,10 @@ class CKConfig:
     bm25_b: float = 0.75
     bs_momentum: float = 0.1  # running E[x] for batch scaling
     eps: float = 1e-6
+    # what TF_td and IDF_t of Eq. 9 count: the word piece itself ("pieces"), or every piece opening a word
+    # with the same Porter stem as BM25's index stems it ("stems", ckray.lexical.analysis.stem_classes;
+    # the map is kept in the checkpoint as CKModel.match_class)
+    exact_match: str = "pieces"
     # input lengths (word pieces)
     max_query_len: int = 30
     max_doc_len: int = 4000
@@ -88,6 +92,8 @@ class CKConfig:
             raise ConfigError(f"CKConfig.conv_window must be odd (or 0 for none), not {self.conv_window}")
         if not 0 < self.pool_stride <= self.pool_window:
             raise ConfigError("CKConfig needs 0 < pool_stride <= pool_window")
+        if self.exact_match not in ("pieces", "stems"):
+            raise ConfigError(f"CKConfig.exact_match must be 'pieces' or 'stems', not {self.exact_match!r}")
         if self.bm25_k1 <= 0 or not 0 <= self.bm25_b <= 1:
             raise ConfigError(f"CKConfig needs bm25_k1 > 0 (--bm25-k1) and 0 <= bm25_b <= 1 (--bm25-b), "
                               f"got k1={self.bm25_k1}, b={self.bm25_b}")
@@ -278,9 +284,13 @@ class BatchScale(nn.Module):
         return x / (mean.to(x.dtype) + self.eps)
 
 
-def term_frequency(doc_ids: torch.Tensor, doc_mask: torch.Tensor, term_ids: torch.Tensor) -> torch.Tensor:
+def term_frequency(doc_ids: torch.Tensor, doc_mask: torch.Tensor, term_ids: torch.Tensor,
+                   classes: torch.Tensor | None = None) -> torch.Tensor:
     """TF_{t,d} of each term id in each document ``[B, n]`` (real positions in ``doc_mask``):
-    ``term_ids [T] or [B, T] -> [B, T]`` (float)."""
+    ``term_ids [T] or [B, T] -> [B, T]`` (float). With ``classes`` (each vocabulary id's exact-match class,
+    ``CKConfig.exact_match``) a position counts when its piece is in the term's class."""
+    if classes is not None:
+        doc_ids, term_ids = classes[doc_ids], classes[term_ids]
     if term_ids.dim() == 1:
         term_ids = term_ids.expand(doc_ids.shape[0], -1)
     hits = (doc_ids[:, None, :] == term_ids[:, :, None]) & doc_mask[:, None, :]
@@ -294,20 +304,22 @@ class DocRepr:
 
     ``ids``/``mask`` [B, n] (word pieces, real positions), ``vectors`` [B, n, d] contextualised term
     vectors, ``inv_norm`` [B, n] = 1/‖vector‖ (float32; the cosine is taken as (q̂·d)·inv_norm, which
-    keeps one copy of the vectors for the backward pass), ``length`` [B] = |d| (real word pieces)."""
+    keeps one copy of the vectors for the backward pass), ``length`` [B] = |d| (real word pieces),
+    ``classes`` the model's exact-match classes of the vocabulary (None: each piece its own)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     vectors: torch.Tensor
     inv_norm: torch.Tensor
     length: torch.Tensor
+    classes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
     def term_frequency(self, term_ids: torch.Tensor) -> torch.Tensor:
         """TF_{t,d}: occurrences of each term id in each document, ``[T] or [B, T] -> [B, T]`` (float)."""
-        return term_frequency(self.ids, self.mask, term_ids)
+        return term_frequency(self.ids, self.mask, term_ids, self.classes)
 
     def unique_terms(self) -> list[torch.Tensor]:
         """The distinct word-piece ids of each document (its own candidate terms for an impact index)."""
@@ -315,7 +327,7 @@ class DocRepr:
 
     def select(self, index: torch.Tensor | slice | Sequence[int]) -> "DocRepr":
         return DocRepr(self.ids[index], self.mask[index], self.vectors[index], self.inv_norm[index],
-                       self.length[index])
+                       self.length[index], self.classes)
 
 
 def pad_term_lists(terms: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,29 +363,34 @@ def piece_tokenisation(config: CKConfig, read_length: int | None = None) -> Toke
     return Tokenisation(config.encoder, config.vocab_size, read_length or config.max_doc_len)
 
 
-def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256) -> CorpusStats:
-    """Document frequencies and mean length over ``texts``, tokenised (and truncated) as the model does."""
-    return statistics.corpus_statistics(texts, piece_tokenisation(config), batch_size)
+def corpus_statistics(texts: Iterable[str], config: CKConfig, batch_size: int = 256,
+                      classes: np.ndarray | None = None) -> CorpusStats:
+    """Document frequencies (of the exact-match ``classes`` when given) and mean length over ``texts``,
+    tokenised (and truncated) as the model does."""
+    return statistics.corpus_statistics(texts, piece_tokenisation(config), batch_size, classes)
 
 
 def explicit_training_statistics(queries: Sequence[str], docs: Sequence[str], config: CKConfig,
-                                 batch_size: int = 128, keep: Sequence[int] | None = None) -> tuple[float, float]:
+                                 batch_size: int = 128, keep: Sequence[int] | None = None,
+                                 classes: np.ndarray | None = None) -> tuple[float, float]:
     """(E[TF], E[|d|]) as batch scaling (Eq. 10) measures them in training: TF of every real query
     word-piece position in its paired document, and |d| in word pieces, tokenised and truncated as the
     model does. ``queries[i]`` is paired with ``docs[i]`` (give each triple's query twice, with its
     positive and its negative); ``keep[i]``, when given, cuts ``docs[i]`` to that many word pieces, as
-    training cuts it (``ckray.rankers.ck_qti.task.length_matched_pairs``)."""
+    training cuts it (``ckray.rankers.ck_qti.task.length_matched_pairs``); TF counts the exact-match
+    ``classes`` when given, as the model does."""
     if len(queries) != len(docs) or not docs or (keep is not None and len(keep) != len(docs)):
         raise ConfigError(f"explicit_training_statistics needs paired, non-empty inputs "
                           f"({len(queries)} queries, {len(docs)} documents"
                           f"{'' if keep is None else f', {len(keep)} cuts'})")
     tf_sum, tf_n, len_sum = 0.0, 0, 0.0
+    class_map = None if classes is None else torch.as_tensor(np.array(classes, dtype=np.int64))
     for i in range(0, len(docs), batch_size):
         q_ids, q_mask = tokenize(queries[i: i + batch_size], config.max_query_len, config.encoder)
         d_ids, d_mask = tokenize(docs[i: i + batch_size], config.max_doc_len, config.encoder)
         if keep is not None:
             d_mask &= torch.arange(d_mask.shape[1])[None, :] < torch.tensor(keep[i: i + batch_size])[:, None]
-        tf = term_frequency(d_ids, d_mask, q_ids)
+        tf = term_frequency(d_ids, d_mask, q_ids, class_map)
         tf_sum += float(tf[q_mask].sum())
         tf_n += int(q_mask.sum())
         len_sum += float(d_mask.sum())
@@ -409,6 +426,9 @@ def load_ck_model(path: str | os.PathLike, map_location: str | torch.device = "c
 class CKModel(nn.Module):
     """Conformer-Kernel ranker. ``forward(query_ids, query_mask, doc_ids, doc_mask) -> S_qd [B]``."""
 
+    _non_persistent_ok = ("match_class",)   # checkpoints saved before exact-match classes load with the identity
+    _init_config_must_agree = ("exact_match",)   # --init-from: its IDF and classes count what this model counts
+
     def __init__(self, config: CKConfig):
         super().__init__()
         self.config = cfg = config
@@ -416,6 +436,9 @@ class CKModel(nn.Module):
         # explicit matching (Eq. 9-10); w = k1·b, w₀ = k1·(1−b) start it as BM25(k1, b) while E[TF] = 1
         # (start_explicit_as_bm25 keeps it BM25 under the training batches' statistics)
         self.register_buffer("idf", torch.ones(cfg.vocab_size))
+        # TF and IDF count exact-match classes (CKConfig.exact_match): the identity for "pieces"; a
+        # checkpoint saved before the map existed loads with the identity
+        self.register_buffer("match_class", torch.arange(cfg.vocab_size))
         self.bs_tf = BatchScale(cfg.bs_momentum, cfg.eps)
         self.bs_len = BatchScale(cfg.bs_momentum, cfg.eps)
         self.len_w = nn.Parameter(torch.tensor([cfg.bm25_k1 * cfg.bm25_b]))
@@ -453,15 +476,36 @@ class CKModel(nn.Module):
         self.encoder.embed.weight.copy_(weight)
 
     @torch.no_grad()
+    def set_match_classes(self, classes: np.ndarray | torch.Tensor) -> None:
+        """Each vocabulary id's exact-match class (``ckray.lexical.analysis.stem_classes``), kept in the
+        checkpoint; TF and IDF of Eq. 9 then count a term's class. Set before :meth:`set_idf`."""
+        classes = torch.as_tensor(np.array(classes, dtype=np.int64))   # a copy: the map may be read-only
+        if classes.shape != self.match_class.shape or int(classes.min()) < 0 or int(classes.max()) >= len(classes):
+            raise ConfigError(f"exact-match classes must map each of the {len(self.match_class)} vocabulary ids "
+                              f"to one of them; got {tuple(classes.shape)} values in "
+                              f"[{int(classes.min())}, {int(classes.max())}]")
+        self.match_class.copy_(classes.to(self.match_class.device))
+
+    def match_classes(self) -> np.ndarray | None:
+        """The exact-match classes that corpus statistics for this model count (None: word pieces)."""
+        return self.match_class.cpu().numpy() if self.config.exact_match == "stems" else None
+
+    def idf_of(self, doc_freq: torch.Tensor, n_docs: int) -> torch.Tensor:
+        """IDF_t of every vocabulary id from document frequencies counted as :meth:`match_classes` says:
+        each id takes its class's (``[V]``, on the CPU)."""
+        return bm25_idf(doc_freq.reshape(-1), n_docs)[self.match_class.cpu()]
+
+    @torch.no_grad()
     def set_idf(self, doc_freq: torch.Tensor, n_docs: int, mean_doc_len: float | None = None) -> None:
-        """IDF_t of Eq. 9 from corpus document frequencies ``doc_freq[vocab]`` (kept in the checkpoint).
+        """IDF_t of Eq. 9 from corpus document frequencies ``doc_freq[vocab]`` (kept in the checkpoint),
+        counted over the model's exact-match classes (:meth:`match_classes`).
 
         ``mean_doc_len`` (word pieces), when given, also starts the running E[|d|] of Eq. 10 at the
         corpus mean (BM25's avgdl), so an untrained model in eval mode normalises lengths sensibly;
         the first training batch replaces it with the batch mean."""
         if doc_freq.numel() != self.config.vocab_size:
             raise ConfigError(f"doc_freq has {doc_freq.numel()} entries, the vocabulary {self.config.vocab_size}")
-        self.idf.copy_(bm25_idf(doc_freq.reshape(-1), n_docs).to(self.idf.device))
+        self.idf.copy_(self.idf_of(doc_freq, n_docs).to(self.idf.device))
         if mean_doc_len is not None:
             self.bs_len.running_mean.fill_(float(mean_doc_len))
 
@@ -492,7 +536,7 @@ class CKModel(nn.Module):
 
     def set_idf_from_texts(self, texts: Iterable[str]) -> CorpusStats:
         """Tokenise ``texts`` (the corpus) and set IDF and the initial E[|d|] from them."""
-        stats = corpus_statistics(texts, self.config)
+        stats = corpus_statistics(texts, self.config, classes=self.match_classes())
         self.set_idf(stats.doc_freq, stats.n_docs, stats.mean_doc_len)
         return stats
 
@@ -506,7 +550,8 @@ class CKModel(nn.Module):
         mask = doc_mask.bool()
         vectors = self.encoder(doc_ids, mask)
         inv_norm = vectors.float().norm(dim=-1).clamp(min=1e-6).reciprocal()
-        return DocRepr(doc_ids, mask, vectors, inv_norm, mask.sum(-1).to(torch.float32))
+        classes = self.match_class if self.config.exact_match == "stems" else None
+        return DocRepr(doc_ids, mask, vectors, inv_norm, mask.sum(-1).to(torch.float32), classes)
 
     def encode_query_terms(self, term_ids: torch.Tensor) -> torch.Tensor:
         """QTI query side: each term on its own, embedding + projection only (no context)."""

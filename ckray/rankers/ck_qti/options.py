@@ -16,6 +16,10 @@ class CKQTIOptions:
     layers: int = option(2, "Conformer blocks")
     bm25_k1: float = option(1.0, "the explicit match starts as BM25(k1, b)")
     bm25_b: float = option(0.75, "b of that BM25 start")
+    exact_match: str = option("pieces", "what the explicit match's TF and IDF count: the word piece itself (pieces), "
+                                         "or every piece opening a word with the same Porter stem, as BM25's index "
+                                         "stems words (stems; docs/transfer.md compares them)",
+                              choices=("pieces", "stems"))
     name: str | None = option(None, "checkpoint name under W/checkpoints (default: ck-qti; ck with --no-qti, tk with "
                                     "--attention quadratic)")
     head_lr_multiplier: float = option(1.0, "train everything but the pretrained word embeddings this many times "

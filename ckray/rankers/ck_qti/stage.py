@@ -29,18 +29,26 @@ def train(options: CKQTIOptions, args: argparse.Namespace):
 
     o = options
     base = tk_config() if o.attention == "quadratic" else CKConfig(qti=o.qti)
-    config = replace(base, max_doc_len=o.max_doc_len, n_layers=o.layers, bm25_k1=o.bm25_k1, bm25_b=o.bm25_b)
+    config = replace(base, max_doc_len=o.max_doc_len, n_layers=o.layers, bm25_k1=o.bm25_k1, bm25_b=o.bm25_b,
+                     exact_match=o.exact_match)
     name = o.checkpoint_name
     train_config = training_config(args, name, **SPEC.training.defaults)  # every flag checked before any work
     td = training_data(args)  # prepares shards, BM25 and negatives when missing
-    stats = cached_corpus_statistics(args.workdir, config)  # a Ray task per shard; kept for the impact index
+    classes = None
+    if config.exact_match == "stems":
+        from ckray.lexical.analysis import stem_classes
+        from ckray.ray_env import init_ray
+
+        init_ray()   # Ray before the JVM that stems the vocabulary (ckray.lexical.jvm)
+        classes = stem_classes(config.encoder)
+    stats = cached_corpus_statistics(args.workdir, config, classes)  # a Ray task per shard; kept for the impact index
     sample = td.head(EXPLICIT_STATS_TRIPLES).to_pydict()  # the first triples of the seeded shuffle
     keep = matched_lengths(sample["pos_text"], sample["neg_text"], config) if o.match_pair_lengths else None
     mean_tf, mean_len = explicit_training_statistics(sample["query"] * 2, sample["pos_text"] + sample["neg_text"], config,
-                                                     keep=keep)
+                                                     keep=keep, classes=classes)
     log.info("explicit match starts as BM25(k1=%.2f, b=%.2f) under E[TF]=%.2f, E[|d|]=%.0f (avgdl %.0f)",
              config.bm25_k1, config.bm25_b, mean_tf, mean_len, stats.mean_doc_len)
-    task = CKTask(config=config, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
+    task = CKTask(config=config, match_class=classes, doc_freq=stats.doc_freq.numpy(), n_docs=stats.n_docs,
                   mean_doc_len=stats.mean_doc_len, train_mean_tf=mean_tf, train_mean_len=mean_len,
                   name=name, head_lr_multiplier=o.head_lr_multiplier, dev_scoring=o.dev_scoring,
                   train_top_k=o.train_top_k, gate_temperature=o.gate_temperature,

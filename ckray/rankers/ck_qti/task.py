@@ -52,7 +52,8 @@ class CKTask(RankerTask):
     """CK-QTI / CK / TK: pairwise softmax loss over (q, d+, d−); IDF from the corpus (Eq. 9)."""
 
     config: "object"                     # ckray.rankers.ck_qti.model.CKConfig
-    doc_freq: np.ndarray | None = None   # corpus document frequency per vocabulary id
+    match_class: np.ndarray | None = None  # exact-match class per vocabulary id (CKConfig.exact_match "stems")
+    doc_freq: np.ndarray | None = None   # corpus document frequency per vocabulary id (per class with match_class)
     n_docs: int = 0
     mean_doc_len: float | None = None
     # E[TF], E[|d|] of training triples (ckray.rankers.ck_qti.model.explicit_training_statistics): the explicit
@@ -91,6 +92,8 @@ class CKTask(RankerTask):
         from ckray.rankers.ck_qti.model import CKModel
 
         model = CKModel(self.config)
+        if self.match_class is not None:
+            model.set_match_classes(self.match_class)
         if self.doc_freq is not None:
             # a copy: the task reaches workers through Ray, whose numpy arrays are read-only
             model.set_idf(torch.tensor(self.doc_freq), self.n_docs, self.mean_doc_len)

@@ -8,7 +8,9 @@ of time (the paper's Sec. 3, "QTI"); ``ckray.rankers.ck_qti.impact`` stores them
 **Which terms a document gets** (``TermImpactScorer``). A document is encoded once
 (``CKModel.encode_documents``). Its candidate terms are
 
-* its own word pieces (every distinct id), and
+* its own word pieces (every distinct id), and, when the model counts exact matches over Porter stems
+  (``CKConfig.exact_match="stems"``), every vocabulary piece of their stems (``computing`` for a document
+  that says ``computer``: its exact-match score is the one a query saying ``computing`` gets), and
 * ``expansion_candidates`` (M, default 256) vocabulary terms chosen cheaply: the context-free term
   vectors x₀ of the whole vocabulary (the QTI query-side encoder, ``encode_query_terms``; computed
   once per actor, special tokens and ``[unused*]`` left out since text never tokenises to them) are
@@ -89,6 +91,7 @@ class TermImpactScorer:
                                      device=self.device)
         with torch.no_grad():  # context-free term vectors x₀ of the whole (usable) vocabulary, unit length
             self.vocab_vectors = F.normalize(model.encode_query_terms(self.vocab).float(), dim=-1, eps=1e-6)
+        self.classes = model.match_class if model.config.exact_match == "stems" else None
 
     # ----------------------------------------------------------------- candidates
     def expansion(self, doc, m: int):
@@ -116,15 +119,25 @@ class TermImpactScorer:
             best[:, i:i + rows] = sim.masked_fill(~valid[:, None, :], -2.0).amax(-1)
         return self.vocab[best.topk(m, dim=1).indices]
 
+    def own_terms(self, doc) -> list[Any]:
+        """Each document's distinct word pieces, with every other piece of their exact-match classes when
+        the model counts stems: the terms an exact match reaches."""
+        import torch
+
+        own = doc.unique_terms()
+        if self.classes is None:
+            return own
+        return [torch.isin(self.classes, self.classes[ids]).nonzero().flatten() if ids.numel() else ids for ids in own]
+
     def candidates(self, doc) -> tuple[Any, Any]:
-        """Own distinct terms ∪ expansion terms, padded: (ids [B, T] long, mask [B, T] bool)."""
+        """Own terms (:meth:`own_terms`) ∪ expansion terms, padded: (ids [B, T] long, mask [B, T] bool)."""
         import torch
 
         from ckray.rankers.ck_qti.model import pad_term_lists
 
         exp = self.expansion(doc, self.config.expansion_candidates)
         per_doc = []
-        for b, own in enumerate(doc.unique_terms()):
+        for b, own in enumerate(self.own_terms(doc)):
             if own.numel() == 0:  # an empty document: nothing to index
                 per_doc.append(own)
             else:
@@ -152,7 +165,7 @@ class TermImpactScorer:
         k = min(self.config.top_k, ids.shape[1])
         top, idx = scores.topk(k, dim=1)
         top_ids = ids.gather(1, idx)
-        own = doc.unique_terms() if self.config.expansion_ratio is not None else [None] * B
+        own = self.own_terms(doc) if self.config.expansion_ratio is not None else [None] * B
         out = []
         for b in range(B):
             keep = top[b] > 0
@@ -205,11 +218,15 @@ class TermImpactScorer:
         is taken as ``length``: float32 [T], 0 for a term that does not occur."""
         import torch
 
-        present, counts = np.unique(np.asarray(pieces, np.int64), return_counts=True)
+        pieces, keys = np.asarray(pieces, np.int64), np.asarray(terms, np.int64)
+        if self.classes is not None:   # TF counts the term's exact-match class, as the model's does
+            classes = self.classes.cpu().numpy()
+            pieces, keys = classes[pieces], classes[keys]
+        present, counts = np.unique(pieces, return_counts=True)
         tf = np.zeros(len(terms), np.float32)
         if len(present):
-            at = np.searchsorted(present, terms).clip(max=len(present) - 1)
-            hit = present[at] == terms
+            at = np.searchsorted(present, keys).clip(max=len(present) - 1)
+            hit = present[at] == keys
             tf[hit] = counts[at[hit]]
         with torch.no_grad():
             scores = self.model.explicit_match(
