@@ -486,9 +486,16 @@ class CKModel(nn.Module):
                               f"[{int(classes.min())}, {int(classes.max())}]")
         self.match_class.copy_(classes.to(self.match_class.device))
 
+    @property
+    def counted_classes(self) -> torch.Tensor | None:
+        """The exact-match classes TF and IDF count: ``match_class`` when ``exact_match="stems"``, else None
+        (each word piece its own)."""
+        return self.match_class if self.config.exact_match == "stems" else None
+
     def match_classes(self) -> np.ndarray | None:
-        """The exact-match classes that corpus statistics for this model count (None: word pieces)."""
-        return self.match_class.cpu().numpy() if self.config.exact_match == "stems" else None
+        """:attr:`counted_classes` as a NumPy array, what corpus statistics for this model count."""
+        classes = self.counted_classes
+        return None if classes is None else classes.cpu().numpy()
 
     def idf_of(self, doc_freq: torch.Tensor, n_docs: int) -> torch.Tensor:
         """IDF_t of every vocabulary id from document frequencies counted as :meth:`match_classes` says:
@@ -550,8 +557,7 @@ class CKModel(nn.Module):
         mask = doc_mask.bool()
         vectors = self.encoder(doc_ids, mask)
         inv_norm = vectors.float().norm(dim=-1).clamp(min=1e-6).reciprocal()
-        classes = self.match_class if self.config.exact_match == "stems" else None
-        return DocRepr(doc_ids, mask, vectors, inv_norm, mask.sum(-1).to(torch.float32), classes)
+        return DocRepr(doc_ids, mask, vectors, inv_norm, mask.sum(-1).to(torch.float32), self.counted_classes)
 
     def encode_query_terms(self, term_ids: torch.Tensor) -> torch.Tensor:
         """QTI query side: each term on its own, embedding + projection only (no context)."""

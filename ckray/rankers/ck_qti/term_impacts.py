@@ -91,7 +91,8 @@ class TermImpactScorer:
                                      device=self.device)
         with torch.no_grad():  # context-free term vectors x₀ of the whole (usable) vocabulary, unit length
             self.vocab_vectors = F.normalize(model.encode_query_terms(self.vocab).float(), dim=-1, eps=1e-6)
-        self.classes = model.match_class if model.config.exact_match == "stems" else None
+        self.classes = model.counted_classes            # exact-match classes (None: word pieces) …
+        self.class_array = model.match_classes()        # … and the same as NumPy, for whole-document counts
 
     # ----------------------------------------------------------------- candidates
     def expansion(self, doc, m: int):
@@ -219,9 +220,8 @@ class TermImpactScorer:
         import torch
 
         pieces, keys = np.asarray(pieces, np.int64), np.asarray(terms, np.int64)
-        if self.classes is not None:   # TF counts the term's exact-match class, as the model's does
-            classes = self.classes.cpu().numpy()
-            pieces, keys = classes[pieces], classes[keys]
+        if self.class_array is not None:   # TF counts the term's exact-match class, as the model's does
+            pieces, keys = self.class_array[pieces], self.class_array[keys]
         present, counts = np.unique(pieces, return_counts=True)
         tf = np.zeros(len(terms), np.float32)
         if len(present):
