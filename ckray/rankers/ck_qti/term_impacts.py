@@ -36,7 +36,10 @@ best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). With ``explicit_s
 default) the exact-match part that β adds is counted over the whole document read, as BM25 counts it:
 ``w_td = max_p s_tp + β·s_explicit_td``, Eq. 9 with TF_td over all the windows and |d| their length,
 normalised by the collection's mean length of what is read (``document_length_scale``); the model's own
-s_tp stays its best window's. ``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
+s_tp stays its best window's. ``"model"`` counts the exact match inside s_td's ReLU over the whole document
+too, and takes only the kernel-pooled part from the best window:
+``w_td = ReLU(α·s_explicit_td + max_p (1−α)·s_implicit_tp + b) + β·s_explicit_td``.
+``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
 A weight still depends on the term and the document only, so QTI and the index are unchanged, and a term
 counts wherever the document holds it, as BM25 counts it. ``passages=1`` reads the first window only (the
 truncation training reads); a document that fits one window is scored the same either way.
@@ -93,6 +96,8 @@ class TermImpactScorer:
             self.vocab_vectors = F.normalize(model.encode_query_terms(self.vocab).float(), dim=-1, eps=1e-6)
         self.classes = model.counted_classes            # exact-match classes (None: word pieces) …
         self.class_array = model.match_classes()        # … and the same as NumPy, for whole-document counts
+        self.alpha = torch.sigmoid(model.alpha_logit).item()   # s_td = ReLU(α·explicit + (1−α)·implicit + b)
+        self.bias = model.bias.item()
 
     # ----------------------------------------------------------------- candidates
     def expansion(self, doc, m: int):
@@ -149,32 +154,43 @@ class TermImpactScorer:
     def term_weights(self, ids, doc, chunk_size: int = 256):
         """The stored weight of terms ``ids`` ([T] or [B, T]) in documents already encoded:
         w_td = s_td + β·s_explicit_td (β = ``explicit_weight``; w_td = s_td at β = 0). [B, T] float32."""
-        scores = self.model.term_scores(ids, doc, chunk_size=chunk_size).float()
-        if self.config.explicit_weight:
-            scores = scores + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
-        return scores
+        return self.weights_and_implicit(ids, doc, chunk_size)[0]
 
-    def score_encoded(self, doc) -> list[tuple[np.ndarray, np.ndarray]]:
+    def weights_and_implicit(self, ids, doc, chunk_size: int = 256):
+        """:meth:`term_weights` and the implicit part inside s_td's ReLU, (1−α)·s_implicit_td (Eq. 11–16):
+        ``(w [B, T], implicit [B, T])``, float32."""
+        import torch.nn.functional as F
+
+        explicit, implicit = self.model.term_parts(ids, doc, chunk_size=chunk_size)
+        weights = F.relu(explicit + implicit + self.model.bias).float()           # s_td
+        if self.config.explicit_weight:
+            weights = weights + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
+        return weights, implicit.float()
+
+    def score_encoded(self, doc, with_implicit: bool = False) -> list[tuple[np.ndarray, ...]]:
         """Top-k (term id, w_td) of documents already encoded, w_td = s_td + β·s_explicit_td > 0,
-        descending (w_td = s_td at β = 0), expansion terms capped by ``expansion_ratio``."""
+        descending (w_td = s_td at β = 0), expansion terms capped by ``expansion_ratio``. With
+        ``with_implicit``, each kept term's (1−α)·s_implicit_td too, as a third array."""
         import torch
 
         ids, mask = self.candidates(doc)
         B, n = doc.ids.shape
         chunk = max(16, (1 << 25) // max(1, B * n * self.model.config.n_kernels))  # kernel tensor ≤ 128 MB
-        scores = self.term_weights(ids, doc, chunk_size=chunk).masked_fill(~mask, -math.inf)
+        scores, implicit = self.weights_and_implicit(ids, doc, chunk_size=chunk)
+        scores = scores.masked_fill(~mask, -math.inf)
         k = min(self.config.top_k, ids.shape[1])
         top, idx = scores.topk(k, dim=1)
-        top_ids = ids.gather(1, idx)
+        top_ids, top_implicit = ids.gather(1, idx), implicit.gather(1, idx)
         own = self.own_terms(doc) if self.config.expansion_ratio is not None else [None] * B
         out = []
         for b in range(B):
             keep = top[b] > 0
-            terms = top_ids[b][keep].to(torch.int32).cpu().numpy()
-            weights = top[b][keep].cpu().numpy().astype(np.float32)
+            vector = (top_ids[b][keep].to(torch.int32).cpu().numpy(), top[b][keep].cpu().numpy().astype(np.float32),
+                      top_implicit[b][keep].cpu().numpy().astype(np.float32))
             if own[b] is not None:
-                terms, weights = cap_expansion(terms, weights, own[b].cpu().numpy(), self.config.expansion_ratio)
-            out.append((terms, weights))
+                kept = expansion_kept(vector[0], own[b].cpu().numpy(), self.config.expansion_ratio)
+                vector = tuple(a[kept] for a in vector)
+            out.append(vector if with_implicit else vector[:2])
         return out
 
     def score_texts(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -189,28 +205,40 @@ class TermImpactScorer:
         cfg = self.model.config
         windows, per_text = document_windows(load_tokenizer(cfg.encoder), texts, cfg.max_doc_len, self.config.passages,
                                              add_special_tokens=False)   # as ck_qti.model.tokenize reads one
-        scored = self.score_pieces(windows)
+        scored = self.score_pieces(windows, with_implicit=self.config.explicit_scope == "model")
         starts = np.cumsum([0] + per_text)
-        if not self.config.explicit_over_documents:
-            return [best_window_weights(scored[a:b]) for a, b in zip(starts[:-1], starts[1:])]
-        return [best_window_weights(scored[a:b]) if b - a == 1 else self.document_weights(scored[a:b], windows[a:b])
+        return [scored[a][:2] if b - a == 1 else
+                self.document_weights(scored[a:b], windows[a:b]) if self.config.explicit_over_documents else
+                best_window_weights([vector[:2] for vector in scored[a:b]])
                 for a, b in zip(starts[:-1], starts[1:])]
 
-    def document_weights(self, scored: Sequence[tuple[np.ndarray, np.ndarray]],
+    def document_weights(self, scored: Sequence[tuple[np.ndarray, ...]],
                          windows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """One impact vector of a document read in several ``windows`` whose vectors are ``scored``: every
-        term kept in any window at ``w_td = max_p s_tp + β·s_explicit_td``, descending. A window's weight is
-        w_tp = s_tp + β·s_explicit_tp, so its s_tp is w_tp less β times Eq. 9 over the window's own pieces;
-        s_explicit_td is Eq. 9 over the whole document (:func:`whole_document_pieces`), its length scaled
-        by ``document_length_scale``."""
+        term kept in any window, descending. s_explicit_td is Eq. 9 over the whole document
+        (:func:`whole_document_pieces`), its length scaled by ``document_length_scale``.
+
+        ``explicit_scope="document"``: ``w_td = max_p s_tp + β·s_explicit_td``. A window's weight is
+        w_tp = s_tp + β·s_explicit_tp, so its s_tp is w_tp less β times Eq. 9 over the window's own pieces.
+
+        ``explicit_scope="model"`` (``scored`` holds each kept term's implicit part): the exact match inside
+        s_td's ReLU is the whole document's too, ``w_td = ReLU(α·s_explicit_td + max_p (1−α)·s_implicit_tp
+        + b) + β·s_explicit_td``; only the kernel-pooled part is taken from the best window."""
         from ckray.models.encoders import passage_overlap
 
         beta = self.config.explicit_weight
-        own = [(terms, weights - beta * self.explicit(terms, window, len(window)))
-               for (terms, weights), window in zip(scored, windows)]
-        terms, best = best_window_weights(own)
         pieces = whole_document_pieces(windows, passage_overlap(self.model.config.max_doc_len))
-        weights = best + beta * self.explicit(terms, pieces, len(pieces) * self.document_length_scale)
+        length = len(pieces) * self.document_length_scale
+        if self.config.explicit_scope == "model":
+            terms, implicit = best_window_weights([(terms, implicit) for terms, _, implicit in scored])
+            explicit = self.explicit(terms, pieces, length)
+            weights = np.maximum(self.alpha * explicit + implicit + self.bias, 0.0) + beta * explicit
+            terms, weights = terms[weights > 0], weights[weights > 0]
+        else:
+            own = [(terms, weights - beta * self.explicit(terms, window, len(window)))
+                   for (terms, weights, *_), window in zip(scored, windows)]
+            terms, best = best_window_weights(own)
+            weights = best + beta * self.explicit(terms, pieces, length)
         order = np.argsort(-weights, kind="stable")
         return terms[order], weights[order].astype(np.float32)
 
@@ -235,8 +263,9 @@ class TermImpactScorer:
                 torch.tensor([float(length)], device=self.device))
         return scores[0].float().cpu().numpy()
 
-    def score_pieces(self, pieces: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Impact vectors of word-piece sequences (each one document as the model reads it), in input order.
+    def score_pieces(self, pieces: Sequence[Sequence[int]], with_implicit: bool = False) -> list[tuple[np.ndarray, ...]]:
+        """Impact vectors of word-piece sequences (each one document as the model reads it), in input order
+        (with each kept term's implicit part too at ``with_implicit``: :meth:`score_encoded`).
 
         Sorted by length and encoded in groups of at most ``token_budget`` padded word pieces (padding
         changes scores only by float rounding, ~1e-6; it costs time). Terms tied at the top-k cut to that
@@ -253,7 +282,7 @@ class TermImpactScorer:
             ids, mask = pad_term_lists([torch.as_tensor(pieces[i], dtype=torch.long) for i in group], self.device)
             with torch.no_grad():
                 doc = self.model.encode_documents(ids, mask)
-                for i, res in zip(group, self.score_encoded(doc)):
+                for i, res in zip(group, self.score_encoded(doc, with_implicit)):
                     out[i] = res
             group.clear()
 
@@ -295,6 +324,11 @@ def cap_expansion(terms: np.ndarray, weights: np.ndarray, own: np.ndarray,
     A short document then gets few expansion terms, a long one as many as top-k leaves room for."""
     if ratio is None:
         return terms, weights
-    expansion = ~np.isin(terms, own)
-    keep = ~expansion | (np.cumsum(expansion) <= math.ceil(ratio * len(own)))
+    keep = expansion_kept(terms, own, ratio)
     return terms[keep], weights[keep]
+
+
+def expansion_kept(terms: np.ndarray, own: np.ndarray, ratio: float) -> np.ndarray:
+    """Which terms of a weight-sorted vector :func:`cap_expansion` keeps (bool [T])."""
+    expansion = ~np.isin(terms, own)
+    return ~expansion | (np.cumsum(expansion) <= math.ceil(ratio * len(own)))
