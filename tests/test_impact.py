@@ -187,7 +187,7 @@ def model_reading_a_long_text() -> tuple[CKModel, str, list[int], list[list[int]
 
 
 def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
-    """explicit_scope="document" (the default): w_td = max_p s_tp + β·s_explicit_td, Eq. 9 with TF_td counted over
+    """explicit_scope="document": w_td = max_p s_tp + β·s_explicit_td, Eq. 9 with TF_td counted over
     every window read and |d| their length times document_length_scale; one window: as before."""
     from ckray.models.encoders import load_tokenizer
     from ckray.rankers.ck_qti.term_impacts import whole_document_pieces
@@ -195,8 +195,8 @@ def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
     model, text, pieces, windows = model_reading_a_long_text()
     assert whole_document_pieces(windows, 4) == pieces                     # each piece once
     beta, scale = 0.5, 0.4
-    config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta)
-    assert config.explicit_scope == "document" and config.explicit_over_documents
+    config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta, explicit_scope="document")
+    assert config.explicit_over_documents
     terms, weights = TermImpactScorer(model, config, document_length_scale=scale).score_texts([text])[0]
     assert np.all(np.diff(weights) <= 0)
     per_window = TermImpactScorer(model, replace(config, explicit_scope="window")).score_texts([text])[0]
@@ -228,14 +228,14 @@ def test_a_document_read_in_windows_gets_the_exact_match_score_of_all_of_them():
 
 
 def test_explicit_scope_model_counts_the_exact_match_inside_s_td_over_the_whole_document():
-    """explicit_scope="model": w_td = ReLU(α·s_explicit_td + max_p (1−α)·s_implicit_tp + b) + β·s_explicit_td, Eq. 9
+    """explicit_scope="model" (the default): w_td = ReLU(α·s_explicit_td + max_p (1−α)·s_implicit_tp + b) + β·s_explicit_td, Eq. 9
     over every window read (|d| times document_length_scale), the implicit part from the windows that keep t;
     a document that fits one window is scored as before, and β = 0 still counts the document."""
     model, text, pieces, windows = model_reading_a_long_text()
     scale = 0.4
     for beta in (0.5, 0.0):
-        config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta, explicit_scope="model")
-        assert config.explicit_over_documents
+        config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_weight=beta)
+        assert config.explicit_scope == "model" and config.explicit_over_documents
         terms, weights = TermImpactScorer(model, config, document_length_scale=scale).score_texts([text])[0]
         assert np.all(np.diff(weights) <= 0) and np.all(weights > 0)
         kept = TermImpactScorer(model, replace(config, explicit_scope="window")).score_pieces(windows)
@@ -261,6 +261,31 @@ def test_explicit_scope_model_counts_the_exact_match_inside_s_td_over_the_whole_
         np.testing.assert_array_equal(a, b)
     assert config.scoring_settings()["explicit_scope"] == "model"                # shards re-scored
     assert not replace(config, passages=1).explicit_over_documents
+
+
+def test_window_pieces_reads_a_long_document_in_shorter_windows_and_a_short_one_whole():
+    """--window-pieces N: a document longer than max_doc_len is read in windows of N pieces (a quarter shared), a
+    term at its best window's weight; one that fits max_doc_len, though longer than N, is read whole as before."""
+    from ckray.models.encoders import document_windows, load_tokenizer
+    from ckray.rankers.ck_qti.term_impacts import best_window_weights, whole_document_pieces
+
+    model, text, pieces, _ = model_reading_a_long_text()
+    config = ImpactConfig(top_k=1000, expansion_candidates=4, explicit_scope="window", window_pieces=8)
+    scorer = TermImpactScorer(model, config)
+    eight, per_text = document_windows(load_tokenizer(None), [text], 8, add_special_tokens=False)
+    assert per_text[0] > 2 * len(pieces) // 16 and all(len(w) <= 8 for w in eight)
+    assert whole_document_pieces(eight, 2) == pieces
+    for got, want in zip(scorer.score_texts([text])[0], best_window_weights(scorer.score_pieces(eight))):
+        np.testing.assert_array_equal(got, want)
+    short = "insulin resistance in obese mice and rats of the cell"       # 9 to 16 pieces: one window
+    assert 8 < len(load_tokenizer(None)(short, add_special_tokens=False)["input_ids"]) <= 16
+    for got, want in zip(scorer.score_texts([short, text])[0],
+                         TermImpactScorer(model, replace(config, window_pieces=None)).score_texts([short])[0]):
+        np.testing.assert_array_equal(got, want)
+    assert config.scoring_settings()["window_pieces"] == 8                 # shards re-scored
+    assert "window_pieces" not in replace(config, window_pieces=None).scoring_settings()
+    with pytest.raises(ConfigError, match=r"window_pieces \(--window-pieces\) must be at least 8"):
+        replace(config, window_pieces=4).validate()
 
 
 def test_explicit_weight_stores_s_td_plus_beta_times_the_exact_match_score_before_the_cut():

@@ -82,8 +82,11 @@ def test_a_long_documents_length_is_scaled_by_the_corpus_mean_first_window_over_
         config = ImpactConfig(top_k=48, expansion_candidates=16, passages=passages)
         assert document_length_scale(target, checkpoint, config, corpus) == pytest.approx(
             np.minimum(lengths, 16).mean() / read.mean())
-    for config in (ImpactConfig(explicit_scope="window"), ImpactConfig(passages=1), ImpactConfig(explicit_weight=0)):
+    for config in (ImpactConfig(explicit_scope="window"), ImpactConfig(passages=1),
+                   ImpactConfig(explicit_weight=0, explicit_scope="document")):   # nothing counted over a document
         assert document_length_scale(target, checkpoint, config, corpus) == 1.0
+    assert document_length_scale(target, checkpoint, ImpactConfig(explicit_weight=0), corpus) == pytest.approx(
+        np.minimum(lengths, 16).mean() / lengths.mean())                        # the model's own exact match is
     scale = document_length_scale(target, checkpoint, CONFIG, corpus)
     batch = _batch(target)
     texts = [doc_text(a, b) for a, b in zip(batch["title"], batch["text"])]

@@ -117,7 +117,7 @@ def document_length_scale(workdir: str | os.PathLike, checkpoint: str | os.PathL
     """``TermImpactScorer.document_length_scale`` for ``workdir``'s corpus: its mean length in word pieces
     counted over each document's first window (``corpus.mean_doc_len``, what Eq. 10's E[|d|] was set to)
     over its mean counted over every window read (at most ``config.passages``; cached in ``W/statistics``),
-    as BM25 normalises |d| by the mean length of the documents it searches. 1 when β's exact-match score
+    as BM25 normalises |d| by the mean length of the documents it searches. 1 when the exact-match score
     is counted per window (``config.explicit_over_documents`` false)."""
     from ckray.models.encoders import passage_overlap
     from ckray.rankers.ck_qti.model import CKConfig, piece_tokenisation
@@ -125,7 +125,8 @@ def document_length_scale(workdir: str | os.PathLike, checkpoint: str | os.PathL
     if not config.explicit_over_documents:
         return 1.0
     model = CKConfig(**check_ck_qti_checkpoint(checkpoint)["config"])
-    window = model.max_doc_len
+    window = config.window_pieces or model.max_doc_len
     read = window + (config.passages - 1) * (window - passage_overlap(window)) if config.passages else 2 ** 31 - 1
+    read = max(read, model.max_doc_len)   # a document that fits one window of max_doc_len is read whole
     whole = statistics.cached_corpus_statistics(workdir, piece_tokenisation(model, read))
     return corpus.mean_doc_len / whole.mean_doc_len if whole.mean_doc_len else 1.0

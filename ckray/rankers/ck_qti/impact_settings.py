@@ -52,6 +52,8 @@ class ImpactConfig(ActorPoolConfig):
     explicit_scope:        where the exact-match score of a document read in windows is counted: "document"
                            (β's over every window read, TF and |d| as BM25 counts them), "model" (the model's own
                            inside s_td too) or "window" (each window's own; ``term_impacts``' module docstring).
+    window_pieces:         word pieces per window of a document longer than the checkpoint's ``max_doc_len``
+                           (None: ``max_doc_len``); a document that fits ``max_doc_len`` is read whole either way.
     """
 
     top_k: int = DEFAULT_TOP_K             # both chosen on SciFact's held-out training queries (module docstring)
@@ -66,6 +68,7 @@ class ImpactConfig(ActorPoolConfig):
     index_threads: int = 2
     passages: int = DEFAULT_PASSAGES
     explicit_scope: str = DEFAULT_EXPLICIT_SCOPE
+    window_pieces: int | None = None
 
     def validate(self) -> None:
         validate_checks(self, self.pool_checks() + [
@@ -81,6 +84,8 @@ class ImpactConfig(ActorPoolConfig):
             (self.token_budget >= 1, "token_budget must be >= 1"),
             (self.index_threads >= 1, "index_threads must be >= 1"),
             (self.passages >= 0, "passages (--passages) must be >= 0 (0: every window of a document)"),
+            (self.window_pieces is None or self.window_pieces >= 8,
+             f"window_pieces (--window-pieces) must be at least 8 word pieces, got {self.window_pieces}"),
             (self.explicit_scope in EXPLICIT_SCOPES,
              f"explicit_scope (--explicit-scope) must be one of {EXPLICIT_SCOPES}, got {self.explicit_scope!r}"),
         ])
@@ -101,6 +106,8 @@ class ImpactConfig(ActorPoolConfig):
             settings["expansion_ratio"] = self.expansion_ratio
         if self.explicit_over_documents:  # absent for each window's own, as shards were scored before
             settings["explicit_scope"] = self.explicit_scope
+        if self.window_pieces is not None:  # absent at the checkpoint's max_doc_len, likewise
+            settings["window_pieces"] = self.window_pieces
         return settings
 
 
@@ -112,6 +119,7 @@ def recorded_settings(record: Mapping[str, Any], source: str) -> dict:
     cap = {"expansion_ratio": record["expansion_ratio"]} if "expansion_ratio" in record else {}
     return {"top_k": record.get("top_k"), "explicit_weight": record.get("explicit_weight", 0.0), **cap,
             "passages": record.get("passages", 1), "explicit_scope": record.get("explicit_scope", "window"),
+            "window_pieces": record.get("window_pieces"),
             "source": source}
 
 

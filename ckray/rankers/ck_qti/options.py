@@ -49,7 +49,7 @@ DEFAULT_EXPLICIT_WEIGHT = 0.5
 DEFAULT_PASSAGES = 0
 # β's exact-match score of a document read in windows is counted over the whole document, as BM25 counts it: the same
 # long-document dev collection chose it over each window's own (docs/transfer.md, long documents)
-DEFAULT_EXPLICIT_SCOPE = "document"
+DEFAULT_EXPLICIT_SCOPE = "model"
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class ImpactIndexOptions:
                                                         "and length, as BM25 counts them); model: the model's own "
                                                         "inside s_td too; window: each window's own",
                                  choices=("document", "model", "window"))
+    window_pieces: int | None = option(None, "word pieces per window of a document longer than the checkpoint's "
+                                             "max_doc_len (default: max_doc_len); a shorter one is read whole")
     save_settings: bool = option(False, "save this --top-k and --explicit-weight with the checkpoint (deploy.json), "
                                         "as chosen on its training collection's held-out queries: indexes of other "
                                         "collections then use them")

@@ -92,7 +92,7 @@ def build_index(args: argparse.Namespace) -> dict:
                           resources_per_actor=args.resources_per_actor,
                           batch_size=args.batch_size, token_budget=args.token_budget,
                           index_threads=args.index_threads, passages=args.passages,
-                          explicit_scope=args.explicit_scope)
+                          explicit_scope=args.explicit_scope, window_pieces=args.window_pieces)
     config.validate()
     if getattr(args, "save_settings", False):
         from ckray.deploy import save_deploy_setting

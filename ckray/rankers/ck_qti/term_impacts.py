@@ -32,14 +32,14 @@ exactly Σ of the stored weights of the query's terms.
 is read as windows of that many word pieces, a quarter of each shared with the next
 (``ckray.models.encoders.document_windows``); each window is scored as above as a document of its own
 (its own terms, expansion candidates, top-k), and the document keeps every term of any window at its
-best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). With ``explicit_scope="document"`` (the
-default) the exact-match part that β adds is counted over the whole document read, as BM25 counts it:
-``w_td = max_p s_tp + β·s_explicit_td``, Eq. 9 with TF_td over all the windows and |d| their length,
-normalised by the collection's mean length of what is read (``document_length_scale``); the model's own
-s_tp stays its best window's. ``"model"`` counts the exact match inside s_td's ReLU over the whole document
-too, and takes only the kernel-pooled part from the best window:
+best window's weight, ``w_td = max_p w_tp`` (term-level MaxP). The exact match (Eq. 9) of such a document
+is counted over the whole document read, as BM25 counts it: TF_td over all the windows and |d| their length,
+normalised by the collection's mean length of what is read (``document_length_scale``). With
+``explicit_scope="model"`` (the default) it is counted so inside s_td's ReLU and in the part β adds, and only
+the kernel-pooled part is taken from the best window:
 ``w_td = ReLU(α·s_explicit_td + max_p (1−α)·s_implicit_tp + b) + β·s_explicit_td``.
-``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
+``"document"`` counts only β's part so and keeps the model's own s_tp of the best window:
+``w_td = max_p s_tp + β·s_explicit_td``. ``"window"`` adds each window's own: ``w_td = max_p (s_tp + β·s_explicit_tp)``.
 A weight still depends on the term and the document only, so QTI and the index are unchanged, and a term
 counts wherever the document holds it, as BM25 counts it. ``passages=1`` reads the first window only (the
 truncation training reads); a document that fits one window is scored the same either way.
@@ -73,7 +73,7 @@ class TermImpactScorer:
 
     ``score_texts(texts) -> list[(term_ids int32[k], weights float32[k])]``, weights descending.
     ``document_length_scale`` multiplies the length of a document read in several windows before its
-    exact-match score (``explicit_scope="document"``): the corpus's mean first-window length over its mean
+    exact-match score (``explicit_scope`` "model" or "document"): the corpus's mean first-window length over its mean
     length read (:func:`document_length_scale`), so that a document of the mean length read is normalised
     as the model normalises one of the mean first-window length; 1 where every document fits one window.
     """
@@ -198,19 +198,40 @@ class TermImpactScorer:
         ``max_doc_len`` word pieces scored (:meth:`score_pieces`; the first ``passages``, 0: all), a
         term's weight its best window's (:func:`best_window_weights`). A document that fits one window
         is scored as one document, as before."""
-        from ckray.models.encoders import document_windows, load_tokenizer
-
         if not len(texts):
             return []
-        cfg = self.model.config
-        windows, per_text = document_windows(load_tokenizer(cfg.encoder), texts, cfg.max_doc_len, self.config.passages,
-                                             add_special_tokens=False)   # as ck_qti.model.tokenize reads one
+        windows, per_text = self.windows(texts)
         scored = self.score_pieces(windows, with_implicit=self.config.explicit_scope == "model")
         starts = np.cumsum([0] + per_text)
         return [scored[a][:2] if b - a == 1 else
                 self.document_weights(scored[a:b], windows[a:b]) if self.config.explicit_over_documents else
                 best_window_weights([vector[:2] for vector in scored[a:b]])
                 for a, b in zip(starts[:-1], starts[1:])]
+
+    def windows(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+        """``(windows, windows per text)`` of ``texts`` as the index reads them: a text that fits the checkpoint's
+        ``max_doc_len`` word pieces is one window (as ``ck_qti.model.tokenize`` reads it); a longer one is read in
+        windows of :attr:`long_window` pieces, a quarter shared with the next, the first ``passages`` (0: all)."""
+        from ckray.models.encoders import document_windows, load_tokenizer
+
+        tokenizer, cfg = load_tokenizer(self.model.config.encoder), self.model.config
+        windows, per_text = document_windows(tokenizer, texts, cfg.max_doc_len, self.config.passages,
+                                             add_special_tokens=False)
+        if self.long_window == cfg.max_doc_len or all(n == 1 for n in per_text):
+            return windows, per_text
+        long = [i for i, n in enumerate(per_text) if n > 1]
+        rewindowed, long_per_text = document_windows(tokenizer, [texts[i] for i in long], self.long_window,
+                                                     self.config.passages, add_special_tokens=False)
+        starts, long_starts = np.cumsum([0] + per_text), np.cumsum([0] + long_per_text)
+        by_text = {i: rewindowed[long_starts[j]:long_starts[j + 1]] for j, i in enumerate(long)}
+        out = [w for i in range(len(texts)) for w in by_text.get(i, windows[starts[i]:starts[i + 1]])]
+        return out, [len(by_text[i]) if i in by_text else n for i, n in enumerate(per_text)]
+
+    @property
+    def long_window(self) -> int:
+        """Word pieces a window of a document longer than ``max_doc_len`` holds: ``window_pieces`` or
+        ``max_doc_len``."""
+        return self.config.window_pieces or self.model.config.max_doc_len
 
     def document_weights(self, scored: Sequence[tuple[np.ndarray, ...]],
                          windows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -227,7 +248,7 @@ class TermImpactScorer:
         from ckray.models.encoders import passage_overlap
 
         beta = self.config.explicit_weight
-        pieces = whole_document_pieces(windows, passage_overlap(self.model.config.max_doc_len))
+        pieces = whole_document_pieces(windows, passage_overlap(self.long_window))
         length = len(pieces) * self.document_length_scale
         if self.config.explicit_scope == "model":
             terms, implicit = best_window_weights([(terms, implicit) for terms, _, implicit in scored])
