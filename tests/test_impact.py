@@ -244,7 +244,7 @@ def test_explicit_scope_model_counts_the_exact_match_inside_s_td_over_the_whole_
             implicit = torch.full((len(terms),), -math.inf)
             for window, (window_terms, _) in zip(windows, kept):
                 encoded = model.encode_documents(torch.tensor([window]), torch.ones(1, len(window), dtype=torch.bool))
-                alpha_e, part = model.weighted_parts(ids, model.encode_query_terms(ids), encoded)
+                _, part = model.weighted_parts(ids, model.encode_query_terms(ids), encoded)
                 held = torch.isin(ids, torch.as_tensor(window_terms, dtype=torch.long))
                 implicit = torch.where(held, implicit.maximum(part[0]), implicit)
             tf = torch.tensor([[pieces.count(t) for t in terms.tolist()]], dtype=torch.float32)

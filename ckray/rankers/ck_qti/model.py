@@ -625,7 +625,10 @@ class CKModel(nn.Module):
     def _combine(self, term_ids: torch.Tensor, term_vectors: torch.Tensor, doc: DocRepr,
                  term_mask: torch.Tensor | None) -> torch.Tensor:
         """s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b)  [B, T]."""
-        explicit, implicit = self.weighted_parts(term_ids, term_vectors, doc, term_mask)
+        return self.combine_parts(*self.weighted_parts(term_ids, term_vectors, doc, term_mask))
+
+    def combine_parts(self, explicit: torch.Tensor, implicit: torch.Tensor) -> torch.Tensor:
+        """s_td = ReLU(α·s_explicit + (1−α)·s_implicit + b) from :meth:`weighted_parts`' two terms."""
         return F.relu(explicit + implicit + self.bias)
 
     def term_scores(self, term_ids: torch.Tensor, doc: DocRepr, term_mask: torch.Tensor | None = None,
@@ -635,8 +638,7 @@ class CKModel(nn.Module):
         ``term_ids``: [T] (the same terms for every document) or [B, T]. Returns [B, T]. In eval mode
         the terms are scored ``chunk_size`` at a time (memory), and Σ_t of the result over a query's
         terms equals ``forward`` on that query. Requires ``config.qti``."""
-        explicit, implicit = self.term_parts(term_ids, doc, term_mask, chunk_size)
-        return F.relu(explicit + implicit + self.bias)
+        return self.combine_parts(*self.term_parts(term_ids, doc, term_mask, chunk_size))
 
     def term_parts(self, term_ids: torch.Tensor, doc: DocRepr, term_mask: torch.Tensor | None = None,
                    chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:

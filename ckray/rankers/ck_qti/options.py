@@ -47,8 +47,9 @@ DEFAULT_EXPLICIT_WEIGHT = 0.5
 # every window of a long document is read and a term weighs what its best window gives it: a long-document collection
 # of SciFact's held-out training queries chose it over the first window alone (docs/transfer.md, long documents)
 DEFAULT_PASSAGES = 0
-# β's exact-match score of a document read in windows is counted over the whole document, as BM25 counts it: the same
-# long-document dev collection chose it over each window's own (docs/transfer.md, long documents)
+# the exact-match score of a document read in windows is counted over the whole document, as BM25 counts it, inside
+# s_td and in β's part: the same long-document dev collection chose it over β's part alone and over each window's own
+# (docs/transfer.md, long documents)
 DEFAULT_EXPLICIT_SCOPE = "model"
 
 

@@ -159,10 +159,8 @@ class TermImpactScorer:
     def weights_and_implicit(self, ids, doc, chunk_size: int = 256):
         """:meth:`term_weights` and the implicit part inside s_td's ReLU, (1−α)·s_implicit_td (Eq. 11–16):
         ``(w [B, T], implicit [B, T])``, float32."""
-        import torch.nn.functional as F
-
         explicit, implicit = self.model.term_parts(ids, doc, chunk_size=chunk_size)
-        weights = F.relu(explicit + implicit + self.model.bias).float()           # s_td
+        weights = self.model.combine_parts(explicit, implicit).float()            # s_td
         if self.config.explicit_weight:
             weights = weights + self.config.explicit_weight * self.model.explicit_scores(ids, doc).float()
         return weights, implicit.float()
